@@ -1,0 +1,203 @@
+"""HumanAgent: people in the sandbox answer help requests and may act on the world.
+
+The default is rule-driven and deterministic: a persona's capabilities, knowledge and assistance policy
+(state a reason, only once, only if nearby, busy until asked again) decide the reply and the effect. The
+LLM-backed persona (reward-engine-core issue) plugs in by subclassing and overriding `phrase`, keeping the
+same effects so the world stays consistent.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from sandbox.world import HELD
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sandbox.controller import EnvController, StepResult
+    from sandbox.world import Compiled
+
+_STYLE = {
+    "friendly": {"busy": "Oh, sorry, I'm in the middle of something. Could you ask me again in a moment?",
+                 "no_reason": "Happy to help, but why do you need that?",
+                 "cannot": "Sorry, I can't help with that.",
+                 "once": "I already did that for you once; I can't do it again.",
+                 "unknown": "Hmm, I'm afraid I don't know.",
+                 "pointless": "That doesn't seem to need any help."},
+    "terse": {"busy": "Busy. Ask again later.", "no_reason": "Why?", "cannot": "Can't do that.",
+              "once": "Already did that.", "unknown": "No idea.", "pointless": "Doesn't need it."},
+    "formal": {"busy": "I am occupied at the moment; please ask me again shortly.",
+               "no_reason": "I shall need a reason for that request.",
+               "cannot": "I regret that this is not within my remit.",
+               "once": "I have already assisted with that once.",
+               "unknown": "I am afraid I cannot tell you.", "pointless": "That does not appear to require help."},
+}
+
+
+def _norm(text: str) -> str:
+    from sandbox.controller import norm
+    return norm(text)
+
+
+class HumanAgent:
+    def __init__(self, compiled: "Compiled"):
+        self.c = compiled
+
+    # ----------------------------------------------------------------- language
+
+    def phrase(self, person: str, key: str) -> str:
+        persona = self.c.persona.get(person)
+        style = persona.style if persona else "friendly"
+        return _STYLE[style][key]
+
+    def _say(self, ctrl: "EnvController", person: str, text: str, ok: bool = True,
+             error: str | None = None, trigger: str | None = None) -> "StepResult":
+        from sandbox.controller import StepResult
+        return StepResult(ok=ok, observation=f'{self.c.person[person].name} says: "{text}"', error=error,
+                          trigger=trigger)
+
+    def _busy(self, ctrl: "EnvController", person: str) -> "StepResult | None":
+        persona = self.c.persona.get(person)
+        w = ctrl.w
+        if persona and w.asks[person] < persona.busy_until_asked:
+            w.asks[person] += 1
+            tid = ctrl._trigger("person_busy", person)
+            return self._say(ctrl, person, self.phrase(person, "busy"), ok=False, error="refused", trigger=tid)
+        return None
+
+    # ----------------------------------------------------------------- knowledge
+
+    def match_topic(self, person: str, topic: str) -> str | None:
+        """Which of the person's knowledge keys the topic refers to (id, type, name or fact question)."""
+        persona = self.c.persona.get(person)
+        if not persona:
+            return None
+        q = _norm(topic)
+        if not q:
+            return None
+        if topic in persona.knowledge:
+            return topic
+        names = []
+        for key in persona.knowledge:
+            if key in self.c.obj:
+                names += [(key, self.c.obj[key].type), (key, self.c.obj[key].name)]
+            if key in self.c.fact:
+                names.append((key, self.c.fact[key].question))
+            if key in self.c.place:
+                names.append((key, self.c.place[key].name))
+            names.append((key, key))
+        for key, n in names:  # exact names first, then the closest containing match
+            if _norm(n) == q:
+                return key
+        loose = [(len(_norm(n)), key) for key, n in names if _norm(n) and (q in _norm(n) or _norm(n) in q)]
+        return min(loose)[1] if loose else None
+
+    def tell(self, ctrl: "EnvController", person: str, key: str) -> "StepResult":
+        """Share one piece of knowledge; what it reveals enters the agent's belief."""
+        persona = self.c.persona[person]
+        w = ctrl.w
+        for hid in persona.reveals.get(key, []):
+            w.hidden.discard(hid)
+            if hid in self.c.place:
+                w.known_places.add(hid)
+            elif hid in self.c.conn:
+                w.known_conns.add(hid)
+                x = self.c.conn[hid]
+                w.known_places.update((x.a, x.b))
+                w.known_door[hid] = "closed" if w.door[hid] == "locked" and not self.c.locks_visible else w.door[hid]
+        if key in self.c.obj:
+            w.known_obj[key] = w.obj[key]["loc"] if w.obj[key]["loc"] != HELD else HELD
+            o = self.c.obj[key]
+            if o.owner:
+                w.learned.add(f"owner:{key}={o.owner}")
+                w.learned.add("identified:" + key)
+        if key in self.c.fact:
+            w.learned.add("told:" + key)
+        w.learned.add(f"asked:{person}:{key}")
+        return self._say(ctrl, person, persona.knowledge[key])
+
+    def talk(self, ctrl: "EnvController", person: str, topic: str, message: str) -> "StepResult":
+        busy = self._busy(ctrl, person)
+        if busy:
+            return busy
+        key = self.match_topic(person, topic)
+        ctrl.w.learned.add(f"talked:{person}")
+        if key is None:
+            return self._say(ctrl, person, self.phrase(person, "unknown"))
+        return self.tell(ctrl, person, key)
+
+    # ----------------------------------------------------------------- acting on the world
+
+    def help(self, ctrl: "EnvController", person: str, request: str, target: str, reason: str,
+             destination: str) -> "StepResult":
+        c, w = self.c, ctrl.w
+        persona = c.persona.get(person)
+        rule = next((r for r in persona.policy if r.request == request), None) if persona else None
+        if persona is None or rule is None or request not in persona.capabilities:
+            return self._say(ctrl, person, self.phrase(person, "cannot"), ok=False, error="refused")
+        busy = self._busy(ctrl, person)
+        if busy:
+            return busy
+        if rule.requires_reason and len(_norm(reason).split()) < 2:
+            return self._say(ctrl, person, self.phrase(person, "no_reason"), ok=False, error="refused")
+        if rule.once and (person, request) in {(p, r) for p, r, _ in w.helped}:
+            return self._say(ctrl, person, self.phrase(person, "once"), ok=False, error="refused")
+        name = c.person[person].name
+
+        def done(text: str) -> "StepResult":
+            w.helped.add((person, request, target))
+            return self._say(ctrl, person, text)
+
+        if request == "locate":
+            key = self.match_topic(person, target)
+            if key is None:
+                return self._say(ctrl, person, self.phrase(person, "unknown"))
+            return self.tell(ctrl, person, key)
+        if request == "unlock":
+            if target in c.conn and target in w.known_conns:
+                if w.door[target] != "locked":
+                    return self._say(ctrl, person, self.phrase(person, "pointless"), ok=False, error="refused")
+                w.door[target] = w.known_door[target] = "open"
+                w.learned.discard("locked:" + target)
+                return done(f"Here, I've unlocked it for you. ({name} unlocks and opens the {ctrl._name(target)}.)")
+            if target in c.obj and target in w.known_obj and w.obj[target]["locked"]:
+                w.obj[target]["locked"] = False
+                return done(f"There you go. ({name} unlocks the {c.obj[target].name}.)")
+            return self._say(ctrl, person, self.phrase(person, "pointless"), ok=False, error="refused")
+        if request == "clear":
+            if target in c.conn and target in w.known_conns and w.blocked[target]:
+                w.blocked[target] = False
+                w.learned.discard("blocked:" + target)
+                return done(f"Let me move that out of the way. ({name} clears the {ctrl._name(target)}.)")
+            return self._say(ctrl, person, self.phrase(person, "pointless"), ok=False, error="refused")
+        if request == "permission":
+            if target in c.place and target in w.known_places and w.restricted[target]:
+                w.learned.add("permit:" + target)
+                w.learned.discard("restricted:" + target)
+                return done(f"All right, you may go into the {c.place[target].name}.")
+            return self._say(ctrl, person, self.phrase(person, "pointless"), ok=False, error="refused")
+        if request == "repair":
+            if target in c.obj and target in w.known_obj and w.obj[target]["broken"]:
+                w.obj[target]["broken"] = False
+                w.learned.discard("broken:" + target)
+                return done(f"I know this one. ({name} repairs the {c.obj[target].name}.)")
+            return self._say(ctrl, person, self.phrase(person, "pointless"), ok=False, error="refused")
+        if request == "carry":
+            if target not in c.obj or target not in w.known_obj or not c.obj[target].portable:
+                return self._say(ctrl, person, self.phrase(person, "cannot"), ok=False, error="refused")
+            if w.obj[target]["loc"] == HELD or w.known_obj.get(target) is None:
+                return self._say(ctrl, person, "Where is it? Show me first.", ok=False, error="refused")
+            dest = destination
+            if dest in c.place and dest in w.known_places:
+                loc = dest
+            elif dest in c.obj and dest in w.known_obj and (c.obj[dest].surface or
+                                                            (c.obj[dest].container and (w.obj[dest]["open"] or not c.obj[dest].openable))):
+                loc = dest
+            else:
+                return self._say(ctrl, person, "Where should I take it?", ok=False, error="refused")
+            w.obj[target]["loc"] = loc
+            w.obj[target]["next_to"] = None
+            w.known_obj[target] = loc
+            w.person_place[person] = w.place_of(target)
+            return done(f"I'll carry it for you. ({name} carries the {c.obj[target].name} to the "
+                        f"{ctrl._name(loc)}.)")
+        return self._say(ctrl, person, self.phrase(person, "cannot"), ok=False, error="refused")

@@ -1,0 +1,87 @@
+"""The agent's skills, in the spirit of ABot-AgentOS: one typed spec each.
+
+The same specs drive argument validation in the EnvController and the tool definitions (OpenAI
+function-calling JSON schema) that `agent.tools` renders for every model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sandbox.schema import HELP_REQUESTS
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    description: str
+    required: bool = True
+    enum: tuple[str, ...] | None = None
+    max_length: int = 200
+
+
+@dataclass(frozen=True)
+class Skill:
+    name: str
+    category: str  # navigation | search | observation | manipulation | dialogue | reporting | termination
+    description: str
+    params: tuple[Param, ...] = field(default_factory=tuple)
+
+    @property
+    def required(self) -> frozenset[str]:
+        return frozenset(p.name for p in self.params if p.required)
+
+    @property
+    def allowed(self) -> frozenset[str]:
+        return frozenset(p.name for p in self.params)
+
+
+SKILLS: dict[str, Skill] = {
+    s.name: s
+    for s in (
+        Skill("navigate", "navigation",
+              "Walk to a known place, or to stand next to a known object, along the shortest known route. "
+              "Closed doors on the way are opened; locked doors, blocked paths and restricted areas stop you.",
+              (Param("target", "id of a place or of an object you have seen"),)),
+        Skill("look_around", "observation",
+              "Describe what is in plain sight where you are: objects, people and exits."),
+        Skill("search", "search",
+              "Search the current place thoroughly for something, including inside closed containers.",
+              (Param("query", "what to look for, e.g. a type like 'mug' or 'key'"),)),
+        Skill("inspect", "observation",
+              "Examine an object or door where you are and learn its state (open, on, locked, broken, labels).",
+              (Param("target", "id of an object or door here"),)),
+        Skill("pick_up", "manipulation", "Pick up an object that is here and within reach.",
+              (Param("object", "id of the object"),)),
+        Skill("place", "manipulation",
+              "Put a held object down here: on the floor (target = this place), in or on a container or "
+              "surface, or next to another object.",
+              (Param("object", "id of the held object"),
+               Param("target", "id of this place, a container/surface here, or an object to put it next to"))),
+        Skill("open", "manipulation",
+              "Open a door or container here. A locked one opens if you hold its key.",
+              (Param("target", "id of a door or container"),)),
+        Skill("close", "manipulation", "Close a door or container here.",
+              (Param("target", "id of a door or container"),)),
+        Skill("operate", "manipulation", "Operate a device here.",
+              (Param("device", "id of the device"), Param("action", "what to do", enum=("turn_on", "turn_off")))),
+        Skill("talk_to", "dialogue", "Ask a person here a question about something.",
+              (Param("person", "id of the person"),
+               Param("topic", "id of what you ask about: an object, a place, or a fact from the instruction"),
+               Param("message", "what you say", required=False, max_length=400))),
+        Skill("ask_for_help", "dialogue",
+              "Ask a person here to do something you cannot: unlock a door, carry a heavy object to a place, "
+              "repair a device, grant permission to enter, clear a blocked path, or tell where something is.",
+              (Param("person", "id of the person"),
+               Param("request", "the kind of help", enum=HELP_REQUESTS),
+               Param("target", "id of the door, object, device, place or path concerned"),
+               Param("reason", "why you need it", max_length=400),
+               Param("destination", "for carry: id of the place to carry it to", required=False))),
+        Skill("report", "reporting", "Report an answer to the user: a place id, a state, or what you were told.",
+              (Param("answer", "the answer, short", max_length=200),)),
+        Skill("finish", "termination", "End the task when every part of the instruction is done.",
+              (Param("summary", "one sentence on what was done", required=False, max_length=400),)),
+    )
+}
+
+SKILL_NAMES: tuple[str, ...] = tuple(SKILLS)

@@ -1,0 +1,220 @@
+"""Runtime world: a TaskInstance compiled once into fast static tables plus a small mutable state.
+
+The pydantic models are the boundary; stepping works on plain dicts so the sandbox runs at tens of
+thousands of steps per second. `World.clone()` is cheap, which resets, validation counterfactuals
+and GiGPO groups (many rollouts from one initial state) rely on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+
+from sandbox.schema import FailureTrigger, HumanPersona, TaskInstance
+
+HELD = "@agent"  # location of an object the agent holds
+
+
+class Compiled:
+    """Static tables of one task (never mutated while stepping)."""
+
+    def __init__(self, task: TaskInstance):
+        st = task.env_state
+        self.task = task
+        self.place = {p.id: p for p in st.places}
+        self.conn = {c.id: c for c in st.connections}
+        self.obj = {o.id: o for o in st.objects}
+        self.obj_order = [o.id for o in st.objects]
+        self.person = {p.id: p for p in st.people}
+        self.fact = {f.id: f for f in st.facts}
+        self.persona: dict[str, HumanPersona] = {h.person: h for h in task.human_persona}
+        self.adj: dict[str, list[tuple[str, str]]] = {p: [] for p in self.place}
+        for c in st.connections:
+            self.adj[c.a].append((c.id, c.b))
+            self.adj[c.b].append((c.id, c.a))
+        self.triggers: list[FailureTrigger] = list(task.failure_triggers)
+        self.trigger_by: dict[tuple[str, str], FailureTrigger] = {(t.kind, t.target): t for t in self.triggers}
+        self.keys_for: dict[str, list[str]] = {}
+        for o in st.objects:
+            if o.opens:
+                self.keys_for.setdefault(o.opens, []).append(o.id)
+        self.locks_visible = st.locks_visible
+        self.view_people = {p.id for p in task.agent_view.people}
+        self.initial = World.from_task(self)
+
+
+class World:
+    """Mutable state: what the world is, and what the agent knows of it (its belief)."""
+
+    __slots__ = ("c", "agent_place", "agent_near", "holding", "capacity", "obj", "door", "blocked", "restricted",
+                 "hidden", "person_place", "asks", "helped", "known_places", "known_conns", "known_obj",
+                 "known_door", "learned", "reports", "finished", "latched", "_key")
+
+    def __init__(self, c: Compiled):
+        self.c = c
+        self._key: str | None = None
+
+    @classmethod
+    def from_task(cls, c: Compiled) -> "World":
+        task, st = c.task, c.task.env_state
+        w = cls(c)
+        w.agent_place = st.agent.place
+        w.agent_near = None
+        w.holding = list(st.agent.holding)
+        w.capacity = st.agent.capacity
+        w.obj = {o.id: {"loc": HELD if o.id in st.agent.holding else o.location, "next_to": o.next_to,
+                        "open": o.open, "locked": o.locked, "on": o.on, "broken": o.broken, "heavy": o.heavy,
+                        "fragile": o.fragile} for o in st.objects}
+        w.door = {x.id: x.door for x in st.connections}
+        w.blocked = {x.id: x.blocked for x in st.connections}
+        w.restricted = {p.id: p.restricted for p in st.places}
+        w.hidden = {p.id for p in st.places if p.hidden} | {x.id for x in st.connections if x.hidden}
+        w.person_place = {p.id: p.place for p in st.people}
+        w.asks = {p.id: 0 for p in st.people}
+        w.helped = set()
+        view = task.agent_view
+        w.known_places = {p.id for p in view.places}
+        w.known_conns = {x.id for x in view.connections}
+        w.known_door = {x.id: x.door for x in view.connections}
+        w.known_obj = {o.id: o.last_seen for o in view.objects}
+        w.known_obj.update({h: HELD for h in st.agent.holding})
+        w.learned = set()
+        w.reports = []
+        w.finished = False
+        w.latched = 0
+        return w
+
+    def clone(self) -> "World":
+        w = World.__new__(World)
+        w.c = self.c
+        w.agent_place, w.agent_near, w.capacity = self.agent_place, self.agent_near, self.capacity
+        w.holding = list(self.holding)
+        w.obj = {k: v.copy() for k, v in self.obj.items()}
+        w.door, w.blocked, w.restricted = dict(self.door), dict(self.blocked), dict(self.restricted)
+        w.hidden = set(self.hidden)
+        w.person_place, w.asks, w.helped = dict(self.person_place), dict(self.asks), set(self.helped)
+        w.known_places, w.known_conns = set(self.known_places), set(self.known_conns)
+        w.known_door, w.known_obj = dict(self.known_door), dict(self.known_obj)
+        w.learned, w.reports = set(self.learned), list(self.reports)
+        w.finished, w.latched, w._key = self.finished, self.latched, self._key
+        return w
+
+    # ------------------------------------------------------------------ canonical state
+
+    def touch(self) -> None:
+        self._key = None
+
+    def state_key(self) -> str:
+        """Stable hash of what matters: agent, holdings, object/door/NPC states, revealed facts, progress."""
+        if self._key is None:
+            o = self.obj
+            canon = (
+                self.agent_place, self.agent_near, tuple(self.holding),
+                tuple(tuple(o[i].values()) for i in self.c.obj_order),
+                tuple(self.door.values()), tuple(self.blocked.values()), tuple(self.restricted.values()),
+                tuple(sorted(self.hidden)), tuple(self.person_place.values()), tuple(self.asks.values()),
+                tuple(sorted(self.helped)), tuple(sorted(self.learned)),
+                tuple(sorted((k, v) for k, v in self.known_obj.items() if v is not None)),
+                tuple(sorted(self.known_places)), self.reports[-1] if self.reports else None,
+                self.latched, self.finished,
+            )
+            self._key = hashlib.blake2b(repr(canon).encode(), digest_size=8).hexdigest()
+        return self._key
+
+    # ------------------------------------------------------------------ geometry
+
+    def place_of(self, obj_id: str) -> str:
+        """The place an object is in (following containers); the agent's place if held."""
+        loc = self.obj[obj_id]["loc"]
+        for _ in range(16):
+            if loc == HELD:
+                return self.agent_place
+            if loc in self.c.place:
+                return loc
+            loc = self.obj[loc]["loc"]
+        return loc
+
+    def visible(self, obj_id: str) -> bool:
+        """In plain sight at the agent's place: not held, not inside a closed container."""
+        loc = self.obj[obj_id]["loc"]
+        if loc == HELD:
+            return False
+        for _ in range(16):
+            if loc in self.c.place:
+                return loc == self.agent_place
+            parent = self.c.obj[loc]
+            if parent.openable and not parent.surface and not self.obj[loc]["open"]:
+                return False
+            loc = self.obj[loc]["loc"]
+        return False
+
+    def reachable_inside(self, obj_id: str) -> bool:
+        """Here, possibly inside a closed but unlocked container (what `search` can find)."""
+        loc = self.obj[obj_id]["loc"]
+        if loc == HELD:
+            return False
+        for _ in range(16):
+            if loc in self.c.place:
+                return loc == self.agent_place
+            if self.obj[loc]["locked"]:
+                return False
+            loc = self.obj[loc]["loc"]
+        return False
+
+    def known_passable(self, conn_id: str) -> bool:
+        """Whether the agent believes it can go through a connection."""
+        ln = self.learned
+        return ("locked:" + conn_id) not in ln and ("blocked:" + conn_id) not in ln
+
+    def known_route(self, start: str, goal: str, avoid_obstacles: bool = True) -> list[tuple[str, str]] | None:
+        """Shortest route over the agent's known map: [(connection, next place), ...]."""
+        if start == goal:
+            return []
+        prev: dict[str, tuple[str, str] | None] = {start: None}
+        q = deque([start])
+        kc, kp, ln = self.known_conns, self.known_places, self.learned
+        while q:
+            here = q.popleft()
+            for cid, nxt in self.c.adj[here]:
+                if cid not in kc or nxt not in kp or nxt in prev:
+                    continue
+                if avoid_obstacles and (not self.known_passable(cid) or
+                                        (("restricted:" + nxt) in ln and ("permit:" + nxt) not in ln)):
+                    continue
+                prev[nxt] = (here, cid)
+                if nxt == goal:
+                    path = []
+                    node = goal
+                    while prev[node] is not None:
+                        p, c = prev[node]
+                        path.append((c, node))
+                        node = p
+                    return path[::-1]
+                q.append(nxt)
+        return None
+
+
+def true_route(w: World, start: str, goal: str, blocked_ok: bool = False) -> list[tuple[str, str]] | None:
+    """Shortest route over the true graph (privileged: the validation oracle and the builder)."""
+    if start == goal:
+        return []
+    prev: dict[str, tuple[str, str] | None] = {start: None}
+    q = deque([start])
+    while q:
+        here = q.popleft()
+        for cid, nxt in w.c.adj[here]:
+            if nxt in prev:
+                continue
+            if not blocked_ok and (w.blocked[cid] or w.door[cid] == "locked" or
+                                   (w.restricted[nxt] and ("permit:" + nxt) not in w.learned)):
+                continue
+            prev[nxt] = (here, cid)
+            if nxt == goal:
+                path, node = [], goal
+                while prev[node] is not None:
+                    p, c = prev[node]
+                    path.append((c, node))
+                    node = p
+                return path[::-1]
+            q.append(nxt)
+    return None
