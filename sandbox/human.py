@@ -113,6 +113,7 @@ class HumanAgent:
         if key in self.c.fact:
             w.learned.add("told:" + key)
         w.learned.add(f"asked:{person}:{key}")
+        w.notes[key] = f"{self.c.person[person].name}: {persona.knowledge[key]}"
         return self._say(ctrl, person, persona.knowledge[key])
 
     def talk(self, ctrl: "EnvController", person: str, topic: str, message: str) -> "StepResult":

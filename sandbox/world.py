@@ -48,7 +48,7 @@ class World:
 
     __slots__ = ("c", "agent_place", "agent_near", "holding", "capacity", "obj", "door", "blocked", "restricted",
                  "hidden", "person_place", "asks", "helped", "known_places", "known_conns", "known_obj",
-                 "known_door", "learned", "reports", "finished", "latched", "_key")
+                 "known_door", "learned", "notes", "reports", "finished", "latched", "_key")
 
     def __init__(self, c: Compiled):
         self.c = c
@@ -79,6 +79,7 @@ class World:
         w.known_obj = {o.id: o.last_seen for o in view.objects}
         w.known_obj.update({h: HELD for h in st.agent.holding})
         w.learned = set()
+        w.notes = {}
         w.reports = []
         w.finished = False
         w.latched = 0
@@ -95,7 +96,7 @@ class World:
         w.person_place, w.asks, w.helped = dict(self.person_place), dict(self.asks), set(self.helped)
         w.known_places, w.known_conns = set(self.known_places), set(self.known_conns)
         w.known_door, w.known_obj = dict(self.known_door), dict(self.known_obj)
-        w.learned, w.reports = set(self.learned), list(self.reports)
+        w.learned, w.reports, w.notes = set(self.learned), list(self.reports), dict(self.notes)
         w.finished, w.latched, w._key = self.finished, self.latched, self._key
         return w
 

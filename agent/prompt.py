@@ -1,0 +1,71 @@
+"""The per-step prompt builder shared by teacher, SFT data, RL rollouts and evaluation.
+
+A step prompt is: the system message (role and rules), then one user message with the task, the known
+map, the memory of recent steps, known facts, and the current observation. It is built from the
+instruction and the agent's belief only (`sandbox.observation.known_map`), so it carries no hidden state.
+The user message ends with a fixed line, so the assistant turn always starts at the chat template's
+special tokens and never inside a BPE merge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SYSTEM_PROMPT = (
+    "You are an embodied assistant acting in a building or outdoor area through skills. "
+    "Each turn, think briefly about what you know, then call exactly one skill as "
+    "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>. Use only ids you have seen. "
+    "If something blocks you, recover: look for another way, search, or ask a person for help with a reason. "
+    "Report answers with `report`, and call `finish` only when every part of the task is done."
+)
+
+
+@dataclass
+class StepMemory:
+    """A short memory of recent steps: (call text, short result)."""
+
+    size: int = 4
+    steps: list[tuple[str, str]] = field(default_factory=list)
+
+    def add(self, call: dict | None, error: str | None, observation: str) -> None:
+        if call is None:
+            text = "(unreadable output)"
+        else:
+            args = ", ".join(f"{v}" for v in (call.get("arguments") or {}).values() if isinstance(v, str))
+            text = f"{call.get('name')}({args[:80]})"
+        result = ("ok" if error is None else error) + ": " + observation[:120]
+        self.steps.append((text, result))
+        del self.steps[: -self.size]
+
+
+def render_known(known: dict) -> str:
+    lines = [f"You are at: {known['place']}. Holding: {', '.join(known['holding']) or 'nothing'}."]
+    lines.append("Places: " + ", ".join(f"{pid} ({name})" for pid, name in known["places"]))
+    exits = []
+    for cid, a, b, door in known["connections"]:
+        exits.append(f"{a}-{b} [{cid}{', ' + door if door else ''}]")
+    lines.append("Connections: " + "; ".join(exits))
+    if known["objects"]:
+        lines.append("Known objects: " + "; ".join(f"{oid} ({name}) at {loc}" for oid, name, loc in known["objects"]))
+    if known["people"]:
+        lines.append("People: " + "; ".join(f"{pid} ({name}, {role}) at {loc}" for pid, name, role, loc
+                                             in known["people"]))
+    return "\n".join(lines)
+
+
+def build_step_messages(instruction: str, known: dict, memory: StepMemory, observation: str,
+                        step: int, budget: int) -> list[dict]:
+    """The chat messages for one decision (system + user)."""
+    parts = [f"Task: {instruction}", f"Step {step + 1} of at most {budget}.", render_known(known)]
+    if known["facts"]:
+        parts.append("Known facts: " + "; ".join(known["facts"]))
+    if memory.steps:
+        parts.append("Recent steps:\n" + "\n".join(f"- {c} -> {r}" for c, r in memory.steps))
+    parts.append(f"Observation: {observation}")
+    parts.append("What is your next skill call?")
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "\n".join(parts)}]
+
+
+def prompt_text(messages: list[dict]) -> str:
+    """Plain text of a prompt (for isolation checks and token counting without a tokenizer)."""
+    return "\n".join(m["content"] for m in messages)

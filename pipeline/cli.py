@@ -1,0 +1,63 @@
+"""The `embodistill` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from pipeline.recipe import RecipeError, load_recipe
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Distill small embodied agents.")
+
+
+def _fail(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(code=2)
+
+
+@app.command()
+def build(recipe: Path = typer.Argument(..., help="recipe YAML"),
+          out: Path = typer.Option(..., "--out", help="output folder for task JSONL and validation.json"),
+          quiet: bool = typer.Option(False, help="no progress bar")):
+    """Build the recipe's task instances (train/test x easy/medium/hard) and validate them."""
+    from pipeline.stages import write_build
+    try:
+        r = load_recipe(recipe)
+        stats = write_build(r, out, show_progress=not quiet)
+    except RecipeError as e:
+        _fail(str(e))
+    typer.echo(json.dumps({k: stats[k] for k in ("total", "accepted", "rejected", "expert_solved", "splits")}))
+
+
+@app.command("eval")
+def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
+             policy: str = typer.Option("expert", help="expert | random"),
+             split: str = typer.Option("test", help="train | test"),
+             out: Path = typer.Option(..., "--out", help="output folder for metrics.json"),
+             tasks: Optional[Path] = typer.Option(None, help="folder written by `embodistill build` (else built)"),
+             quiet: bool = typer.Option(False, help="no progress bar")):
+    """Run a policy on a split and write metrics.json (TSR, GCR, steps, invalid-action rate per difficulty)."""
+    from pipeline.stages import run_eval
+    if policy not in ("expert", "random"):
+        _fail(f"--policy must be expert or random, not {policy!r}")
+    if split not in ("train", "test"):
+        _fail(f"--split must be train or test, not {split!r}")
+    try:
+        r = load_recipe(recipe)
+        m = run_eval(r, policy, split, out, tasks, show_progress=not quiet)
+    except RecipeError as e:
+        _fail(str(e))
+    typer.echo(json.dumps({d: {"tsr": m[d]["tsr"], "gcr": m[d]["gcr"], "episodes": m[d]["episodes"]}
+                           for d in ("easy", "medium", "hard", "all")}))
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

@@ -1,0 +1,81 @@
+"""Recipe: one YAML file configures every stage. Strict: unknown keys and bad values name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from sandbox.scenes import scene_ids
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class SandboxSection(_Strict):
+    scenes: list[str] | Literal["all"] = "all"
+    train_instructions_per_scene: int = Field(default=4, ge=1, le=10_000)
+    test_instructions_per_scene: int = Field(default=2, ge=1, le=10_000)
+    difficulties: list[Literal["easy", "medium", "hard"]] = Field(default_factory=lambda: ["easy", "medium", "hard"])
+    budget_factor: float = Field(default=3.0, ge=1.0, le=20.0)
+    budget_slack: int = Field(default=16, ge=0, le=200)
+    max_budget: int = Field(default=150, ge=5, le=500)
+    max_attempts: int = Field(default=10, ge=1, le=100)
+
+    @field_validator("scenes")
+    @classmethod
+    def _known(cls, v):
+        if v == "all":
+            return v
+        known = set(scene_ids())
+        bad = [s for s in v if s not in known]
+        if bad:
+            raise ValueError(f"unknown scene(s) {bad}; known: {sorted(known)}")
+        if not v:
+            raise ValueError("at least one scene")
+        return v
+
+    def scene_list(self) -> list[str]:
+        return scene_ids() if self.scenes == "all" else list(self.scenes)
+
+
+class EvalSection(_Strict):
+    seed: int = 0
+
+
+class Recipe(_Strict):
+    name: str
+    seed: int = 0
+    sandbox: SandboxSection = Field(default_factory=SandboxSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+
+
+class RecipeError(ValueError):
+    """A recipe or task file is malformed; the message names the file and the field."""
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"{path}: no such recipe file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe must be a YAML mapping")
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError(format_validation(path, e)) from e
+
+
+def format_validation(path, e: ValidationError) -> str:
+    lines = []
+    for err in e.errors()[:5]:
+        field = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        lines.append(f"{path}: {field}: {err['msg']}")
+    return "\n".join(lines)

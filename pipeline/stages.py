@@ -1,0 +1,93 @@
+"""Stages: build the tasks of a recipe, evaluate a policy on a split. Each writes outputs with metrics."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from pydantic import ValidationError
+from tqdm import tqdm
+
+from agent.trajectory import read_jsonl, write_json, write_jsonl
+from pipeline.recipe import Recipe, RecipeError, format_validation
+from sandbox.builder import BuildConfig, BuildStats, build_split
+from sandbox.scenes import load_scene
+from sandbox.schema import TaskInstance
+
+
+def build_config(recipe: Recipe) -> BuildConfig:
+    s = recipe.sandbox
+    return BuildConfig(seed=recipe.seed, budget_factor=s.budget_factor, budget_slack=s.budget_slack,
+                       max_budget=s.max_budget, max_attempts=s.max_attempts)
+
+
+def build_tasks(recipe: Recipe, show_progress: bool = True) -> tuple[dict[str, list[TaskInstance]], dict]:
+    """Train and test splits, disjoint in instructions and layouts, plus validation statistics."""
+    cfg = build_config(recipe)
+    scenes = [load_scene(s) for s in recipe.sandbox.scene_list()]
+    stats = BuildStats()
+    n_train = recipe.sandbox.train_instructions_per_scene
+    n_test = recipe.sandbox.test_instructions_per_scene
+    bar = tqdm(total=len(scenes) * (n_train + n_test), desc="build tasks", unit="instr", disable=not show_progress)
+    train = build_split(scenes, "train", n_train, cfg, stats, difficulties=recipe.sandbox.difficulties,
+                        progress=bar.update)
+    texts = {t.instruction for t in train}
+    layouts = {t.layout_id for t in train}
+    test = build_split(scenes, "test", n_test, cfg, stats, forbidden_texts=texts, forbidden_layouts=layouts,
+                       difficulties=recipe.sandbox.difficulties, progress=bar.update)
+    bar.close()
+    return {"train": train, "test": test}, stats.to_json()
+
+
+def recipe_hash(recipe: Recipe) -> str:
+    return hashlib.sha256(recipe.model_dump_json().encode()).hexdigest()[:16]
+
+
+def write_build(recipe: Recipe, out: Path, show_progress: bool = True) -> dict:
+    splits, stats = build_tasks(recipe, show_progress)
+    for split, tasks in splits.items():
+        for diff in ("easy", "medium", "hard"):
+            write_jsonl(out / f"{split}_{diff}.jsonl", [t for t in tasks if t.difficulty == diff])
+    stats["splits"] = {k: len(v) for k, v in splits.items()}
+    write_json(out / "validation.json", stats)
+    write_json(out / "manifest.json", {"stage": "build", "recipe": recipe.name, "recipe_hash": recipe_hash(recipe)})
+    return stats
+
+
+def load_tasks(folder: Path, split: str) -> list[TaskInstance]:
+    tasks = []
+    files = sorted(folder.glob(f"{split}_*.jsonl"))
+    if not files:
+        raise RecipeError(f"{folder}: no {split}_*.jsonl task files")
+    for f in files:
+        with open(f) as fh:
+            for i, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    tasks.append(TaskInstance.model_validate_json(line))
+                except ValidationError as e:
+                    raise RecipeError(format_validation(f"{f}:{i}", e)) from e
+    order = {"easy": 0, "medium": 1, "hard": 2}
+    return sorted(tasks, key=lambda t: (order[t.difficulty], t.id))
+
+
+def run_eval(recipe: Recipe, policy: str, split: str, out: Path, tasks_dir: Path | None = None,
+             show_progress: bool = True) -> dict:
+    from evaluation.sandbox_eval import evaluate
+    if tasks_dir is not None:
+        tasks = load_tasks(tasks_dir, split)
+    else:
+        tasks = build_tasks(recipe, show_progress)[0][split]
+    bar = tqdm(total=len(tasks), desc=f"eval {policy} on {split}", unit="ep", disable=not show_progress)
+    metrics, trajs = evaluate(tasks, policy, seed=recipe.eval.seed, progress=bar.update)
+    bar.close()
+    metrics["policy"], metrics["split"] = policy, split
+    write_jsonl(out / "trajectories.jsonl", trajs)
+    write_json(out / "metrics.json", metrics)
+    write_json(out / "manifest.json", {"stage": "eval", "recipe": recipe.name, "recipe_hash": recipe_hash(recipe),
+                                       "policy": policy, "split": split,
+                                       "tasks_sha256": hashlib.sha256(json.dumps(
+                                           [t.id for t in tasks]).encode()).hexdigest()[:16]})
+    return metrics

@@ -1,0 +1,103 @@
+"""Gymnasium env `embodistill/Sandbox-v0`: one task per episode, actions are tool calls or model text."""
+
+from __future__ import annotations
+
+import string
+from typing import Any
+
+import gymnasium as gym
+from gymnasium import spaces
+
+from sandbox.controller import EnvController, StepResult
+from sandbox.observation import known_map
+from sandbox.schema import TaskInstance
+from sandbox.world import Compiled
+
+_CHARSET = string.printable
+
+
+class SandboxEnv(gym.Env):
+    """`reset(seed, options={"task": TaskInstance | dict})`; `step(action)` with a dict tool call or raw text.
+
+    The observation is the text the agent may see this step; `known()` gives the agent's belief map for the
+    prompt builder. `info` carries `state_key`, `error` (None or a code), `subgoals_met`, `success`.
+    Reward is the sandbox's own signal: 1.0 when the episode ends in success, else 0.0 (the reward engine
+    adds turn-level rewards on top).
+    """
+
+    metadata = {"render_modes": ["ansi"]}
+
+    def __init__(self, task: TaskInstance | dict | None = None, render_mode: str | None = None):
+        self.observation_space = spaces.Text(max_length=16_384, charset=_CHARSET)
+        self.action_space = spaces.Text(max_length=4_096, charset=_CHARSET)
+        self.render_mode = render_mode
+        self._compiled: Compiled | None = None
+        self._source: Any = None
+        self.ctrl: EnvController | None = None
+        self._last_obs = ""
+        if task is not None:
+            self._use(task)
+
+    def _use(self, task: TaskInstance | dict) -> None:
+        if task is self._source and self._compiled is not None:
+            return  # same object as last episode: reuse the compiled tables
+        if isinstance(task, dict):
+            task_obj = TaskInstance.model_validate(task)
+        elif isinstance(task, TaskInstance):
+            task_obj = task
+        else:
+            raise TypeError(f"options['task'] must be a TaskInstance or a dict, not {type(task).__name__}")
+        self._compiled = Compiled(task_obj)
+        self._source = task
+
+    @property
+    def task(self) -> TaskInstance:
+        if self._compiled is None:
+            raise RuntimeError("no task: call reset(options={'task': ...}) first")
+        return self._compiled.task
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        if options and "task" in options:
+            self._use(options["task"])
+        if self._compiled is None:
+            raise ValueError("SandboxEnv.reset needs options={'task': TaskInstance or dict} the first time")
+        if self.ctrl is None or self.ctrl.compiled is not self._compiled:
+            self.ctrl = EnvController(self._compiled)
+        self._last_obs = self.ctrl.reset()
+        info = {"state_key": self.ctrl.state_key(), "error": None, "subgoals_met": [], "success": False,
+                "steps": 0}
+        return self._last_obs, info
+
+    def step(self, action: Any):
+        if self.ctrl is None:
+            raise RuntimeError("call reset() before step()")
+        ctrl = self.ctrl
+        if isinstance(action, dict) and "tool_calls" not in action:
+            res = ctrl.step(action)
+        else:
+            from agent.parser import ParseError, parse_action
+            parsed = parse_action(action)
+            if isinstance(parsed, ParseError):
+                if ctrl.done:
+                    res = ctrl.step(None)
+                else:
+                    ctrl.steps += 1
+                    res = StepResult(ok=False, observation=f"I could not read a skill call: {parsed.message}.",
+                                     error="parse_error", state_key=ctrl.state_key())
+            else:
+                res = ctrl.step(parsed.as_dict())
+        self._last_obs = res.observation
+        terminated = ctrl.done
+        truncated = not terminated and ctrl.steps >= self._compiled.task.step_budget
+        reward = 1.0 if (terminated and ctrl.success) else 0.0
+        info = {"state_key": res.state_key, "error": res.error, "subgoals_met": res.subgoals_met,
+                "success": ctrl.success, "steps": ctrl.steps, "trigger": res.trigger}
+        return res.observation, reward, terminated, truncated, info
+
+    def known(self) -> dict:
+        """The agent's belief: known map, last-known positions, learned facts (what the prompt shows)."""
+        return known_map(self.ctrl.w)
+
+    def render(self):
+        return self._last_obs

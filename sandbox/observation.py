@@ -1,0 +1,51 @@
+"""What the agent may see, built only from the belief fields of the world (never the true state)."""
+
+from __future__ import annotations
+
+from sandbox.world import HELD, World
+
+_FACT_TEXT = {
+    "locked": "{0} is locked",
+    "blocked": "{0} is blocked",
+    "restricted": "{0} needs permission to enter",
+    "permit": "you may enter {0}",
+    "broken": "{0} is broken",
+    "heavy": "{0} is too heavy to lift alone",
+    "fragile": "{0} is fragile (needs both hands)",
+}
+
+
+def known_map(w: World) -> dict:
+    """A compact snapshot of the agent's knowledge: map, last-known positions, learned facts, notes."""
+    c = w.c
+    places = [(p, c.place[p].name) for p in sorted(w.known_places)]
+    conns = []
+    for cid in sorted(w.known_conns):
+        x = c.conn[cid]
+        conns.append((cid, x.a, x.b, w.known_door.get(cid)))
+    objects = []
+    for oid, loc in sorted(w.known_obj.items()):
+        if loc is None or oid not in c.obj:
+            continue
+        objects.append((oid, c.obj[oid].name, "held" if loc == HELD else loc))
+    people = []
+    for pid in sorted(c.person):
+        seen = [f.split("@", 1)[1] for f in w.learned if f.startswith(f"saw:{pid}@")]
+        if pid in c.view_people or seen:
+            last = w.agent_place if f"saw:{pid}@{w.agent_place}" in w.learned and \
+                w.person_place[pid] == w.agent_place else None
+            if last is None:
+                view = next((p.last_seen for p in c.task.agent_view.people if p.id == pid), None)
+                last = sorted(seen)[-1] if seen else view
+            people.append((pid, c.person[pid].name, c.person[pid].role, last))
+    facts = []
+    for f in sorted(w.learned):
+        kind, _, eid = f.partition(":")
+        if kind in _FACT_TEXT:
+            facts.append(_FACT_TEXT[kind].format(eid))
+        elif kind == "owner":
+            oid, _, who = eid.partition("=")
+            facts.append(f"{oid} belongs to {c.person[who].name if who in c.person else who}")
+    facts += list(w.notes.values())
+    return {"place": w.agent_place, "holding": list(w.holding), "places": places, "connections": conns,
+            "objects": objects, "people": people, "facts": facts}
