@@ -711,9 +711,10 @@ class Draw:
                 if other is not h and req in other["capabilities"]:
                     other["capabilities"].remove(req)
                     other["policy"] = [r for r in other["policy"] if r["request"] != req]
-        for t in self.triggers:  # keep recorded recoveries true
-            t["recovery"] = [r for r in t["recovery"] if "ask_for_help(" not in r or f"({pid}," in r
-                             or not any(f"({o['person']}," in r for o in self.personas if o is not h)]
+        for t in self.triggers:  # keep recorded recoveries true: drop help from those who lost the capability
+            t["recovery"] = [r for r in t["recovery"] if not any(
+                f"ask_for_help({o['person']}, {req}," in r for o in self.personas if o is not h
+                for req in trace["requests"].get(pid, []))]
         self.add("person_busy", pid, ["talk_to", "ask_for_help"], f"the first request to {pid}",
                  "they are busy and refuse", [f"ask {pid} again"])
         return True

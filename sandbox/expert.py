@@ -160,6 +160,7 @@ class Memory:
     asked: set = field(default_factory=set)         # (person, topic)
     refused: set = field(default_factory=set)       # (person, request)
     tried: dict = field(default_factory=dict)       # repr(call) -> failures
+    failures: dict = field(default_factory=dict)    # repr(call) + observation -> count
     reported: set = field(default_factory=set)      # stage indices reported
     operated: set = field(default_factory=set)
     ambiguous_seen: set = field(default_factory=set)
@@ -197,10 +198,12 @@ class ExpertPlanner:
 
     def observe(self, call: dict, res: StepResult) -> None:
         key = repr(call)
+        fail_key = key + res.observation  # the same failure three times: stop instead of looping
         if not res.ok:
-            self.m.tried[key] = self.m.tried.get(key, 0) + 1
-            if self.m.tried[key] >= 3:
+            self.m.failures[fail_key] = self.m.failures.get(fail_key, 0) + 1
+            if self.m.failures[fail_key] >= 3:
                 self.m.gave_up = True
+            self.m.tried[key] = self.m.tried.get(key, 0) + 1
         n = call["name"]
         a = call.get("arguments", {})
         self.m.looked.add(self.k.here)

@@ -1,0 +1,225 @@
+"""End-to-end checks of the build and eval stages on the tiny recipe (real sandbox, real expert)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.prompt import StepMemory, build_step_messages, prompt_text
+from pipeline.recipe import RecipeError, load_recipe
+from pipeline.stages import build_tasks, load_tasks, run_eval, write_build
+from sandbox.builder import BuildConfig, hidden_strings, validate_instance
+from sandbox.controller import EnvController
+from sandbox.expert import ExpertPlanner
+from sandbox.observation import known_map
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "recipes" / "tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def tiny_build(tmp_path_factory):
+    out = tmp_path_factory.mktemp("build")
+    stats = write_build(load_recipe(TINY), out, show_progress=False)
+    return out, stats
+
+
+def _all_tasks(folder):
+    return load_tasks(folder, "train") + load_tasks(folder, "test")
+
+
+def test_build_is_byte_identical(tiny_build, tmp_path):
+    out, _ = tiny_build
+    write_build(load_recipe(TINY), tmp_path, show_progress=False)
+    files = sorted(p.name for p in out.glob("*.jsonl"))
+    assert len(files) == 6
+    for name in files + ["validation.json"]:
+        assert (out / name).read_bytes() == (tmp_path / name).read_bytes(), name
+
+
+def test_validation_report(tiny_build):
+    _, stats = tiny_build
+    for key in ("total", "accepted", "rejected", "rejected_reasons", "by_difficulty", "expert_solved"):
+        assert key in stats
+    assert stats["accepted"] + stats["rejected"] == stats["total"]
+    assert sum(stats["rejected_reasons"].values()) == stats["rejected"]
+    for d in ("easy", "medium", "hard"):
+        assert stats["by_difficulty"][d]["accepted"] > 0, d
+
+
+def test_splits_disjoint_in_instructions_and_layouts(tiny_build):
+    out, _ = tiny_build
+    train, test = load_tasks(out, "train"), load_tasks(out, "test")
+    assert train and test
+    assert not {t.instruction for t in train} & {t.instruction for t in test}
+    assert not {t.layout_id for t in train} & {t.layout_id for t in test}
+
+
+def test_difficulties_have_the_right_obstacles(tiny_build):
+    out, _ = tiny_build
+    for t in _all_tasks(out):
+        n = len(t.failure_triggers)
+        if t.difficulty == "easy":
+            assert n == 0, t.id
+        elif t.difficulty == "medium":
+            assert n == 1, t.id
+        else:
+            assert n >= 2, t.id
+        assert t.optimal_steps <= t.step_budget
+
+
+def test_expert_solves_every_accepted_instance(tiny_build):
+    out, _ = tiny_build
+    for t in _all_tasks(out):
+        ctrl = EnvController(t)
+        ctrl.reset()
+        ExpertPlanner(ctrl, privileged=False).run()
+        assert ctrl.success, f"teacher failed {t.id}: {t.instruction}"
+
+
+def test_teacher_meets_obstacles_and_recovers(tiny_build):
+    """On medium/hard the teacher hits triggers (it does not know them) and still succeeds."""
+    out, _ = tiny_build
+    hits = 0
+    for t in _all_tasks(out):
+        if t.difficulty == "easy":
+            continue
+        ctrl = EnvController(t)
+        ctrl.reset()
+        ExpertPlanner(ctrl, privileged=False).run()
+        hits += sum(ctrl.fired.values()) > 0
+    assert hits > 0
+
+
+def test_random_policy_does_far_worse(tiny_build, tmp_path):
+    out, _ = tiny_build
+    r = load_recipe(TINY)
+    expert = run_eval(r, "expert", "test", tmp_path / "e", out, show_progress=False)
+    rand = run_eval(r, "random", "test", tmp_path / "r", out, show_progress=False)
+    for d in ("easy", "medium", "hard", "all"):
+        for k in ("tsr", "gcr", "mean_steps", "invalid_action_rate", "episodes"):
+            assert k in expert[d]
+    assert expert["all"]["tsr"] == 1.0
+    assert rand["all"]["tsr"] <= 0.1
+    assert rand["all"]["gcr"] < expert["all"]["gcr"] - 0.5
+    assert rand["all"]["invalid_action_rate"] > expert["all"]["invalid_action_rate"]
+    saved = json.loads((tmp_path / "e" / "metrics.json").read_text())
+    assert saved["all"]["tsr"] == expert["all"]["tsr"]
+
+
+def test_isolation_hidden_fields_never_reach_a_prompt(tiny_build):
+    """Trigger details, hidden places and facts' answers are absent from the first prompt; trigger details
+    stay absent from every prompt of a whole expert episode."""
+    out, _ = tiny_build
+    checked = 0
+    for t in _all_tasks(out):
+        ctrl = EnvController(t)
+        obs = ctrl.reset()
+        mem = StepMemory()
+        first = prompt_text(build_step_messages(t.instruction, known_map(ctrl.w), mem, obs, 0, t.step_budget))
+        for s in hidden_strings(t):
+            assert s not in first, (t.id, s)
+        never = [x for tr in t.failure_triggers for x in (tr.id, tr.condition, tr.effect, *tr.recovery)]
+        planner = ExpertPlanner(ctrl, privileged=False)
+        while not ctrl.done and ctrl.steps < t.step_budget:
+            _, call = planner.act()
+            res = ctrl.step(call)
+            planner.observe(call, res)
+            mem.add(call, res.error, res.observation)
+            text = prompt_text(build_step_messages(t.instruction, known_map(ctrl.w), mem, res.observation,
+                                                   ctrl.steps, t.step_budget))
+            for s in never:
+                assert s not in text, (t.id, s)
+        checked += 1
+    assert checked > 50
+
+
+def test_prompt_is_compact(tiny_build):
+    out, _ = tiny_build
+    lengths = []
+    for t in _all_tasks(out):
+        ctrl = EnvController(t)
+        obs = ctrl.reset()
+        text = prompt_text(build_step_messages(t.instruction, known_map(ctrl.w), StepMemory(), obs, 0,
+                                               t.step_budget))
+        lengths.append(len(text.split()))
+    # "a few hundred tokens": whitespace words are a lower bound on BPE tokens, so stay well under 400
+    assert sorted(lengths)[len(lengths) // 2] < 400
+
+
+def test_teacher_does_not_read_hidden_state(tiny_build):
+    """The teacher's decisions do not change when the true location of a moved object is different:
+    before the agent discovers it, the same calls come out."""
+    out, _ = tiny_build
+    moved = [t for t in _all_tasks(out) if any(tr.kind == "object_moved" for tr in t.failure_triggers)]
+    for t in moved[:5]:
+        ctrl = EnvController(t)
+        ctrl.reset()
+        planner = ExpertPlanner(ctrl, privileged=False)
+        first_call = planner.act()[1]
+        tr = next(x for x in t.failure_triggers if x.kind == "object_moved")
+        ctrl2 = EnvController(t)
+        ctrl2.reset()
+        ctrl2.w.obj[tr.target]["loc"] = next(o.last_seen for o in t.agent_view.objects if o.id == tr.target)
+        assert ExpertPlanner(ctrl2, privileged=False).act()[1] == first_call
+
+
+def test_builder_rejects_an_unsolvable_instance(tiny_build):
+    out, _ = tiny_build
+    t = next(x for x in load_tasks(out, "train") if x.kind == "navigation" and x.difficulty == "easy"
+             and x.goal[0].place)
+    data = t.model_dump()
+    target = t.goal[0].place
+    for c in data["env_state"]["connections"]:
+        if target in (c["a"], c["b"]):
+            c["blocked"] = True
+    data["human_persona"] = []   # and nobody who could clear the way
+    from sandbox.schema import TaskInstance
+    broken = TaskInstance.model_validate(data)
+    inst, reason, _ = validate_instance(broken, BuildConfig())
+    assert inst is None and reason == "oracle_failed"
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_bad_recipe_exits_2_naming_file_and_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nsandbox:\n  train_instructions_per_scene: many\n")
+    r = _cli("build", str(bad), "--out", str(tmp_path / "o"), "--quiet")
+    assert r.returncode == 2
+    assert "bad.yaml" in r.stderr and "sandbox.train_instructions_per_scene" in r.stderr
+    bad.write_text("name: x\nsurprise: 1\n")
+    r = _cli("build", str(bad), "--out", str(tmp_path / "o"), "--quiet")
+    assert r.returncode == 2 and "surprise" in r.stderr
+    r = _cli("build", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "o"), "--quiet")
+    assert r.returncode == 2 and "missing.yaml" in r.stderr
+
+
+def test_cli_bad_task_file_exits_2(tmp_path):
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "test_easy.jsonl").write_text('{"id": "x", "instruction_id": 3}\n')
+    r = _cli("eval", str(TINY), "--policy", "expert", "--split", "test", "--out", str(tmp_path / "o"),
+             "--tasks", str(tasks), "--quiet")
+    assert r.returncode == 2
+    assert "test_easy.jsonl:1" in r.stderr
+
+
+def test_recipe_errors_name_the_field(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("name: r\nsandbox:\n  scenes: [atlantis]\n")
+    with pytest.raises(RecipeError, match="sandbox.scenes"):
+        load_recipe(p)
+
+
+def test_build_tasks_in_memory_matches_files(tiny_build):
+    out, _ = tiny_build
+    splits, _ = build_tasks(load_recipe(TINY), show_progress=False)
+    assert sorted(t.id for t in splits["test"]) == sorted(t.id for t in load_tasks(out, "test"))
