@@ -9,7 +9,7 @@ from pathlib import Path
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from agent.trajectory import read_jsonl, write_json, write_jsonl
+from agent.trajectory import write_json, write_jsonl
 from pipeline.recipe import Recipe, RecipeError, format_validation
 from sandbox.builder import BuildConfig, BuildStats, build_split
 from sandbox.scenes import load_scene

@@ -22,10 +22,9 @@ from pydantic import ValidationError
 from sandbox.controller import EnvController
 from sandbox.expert import ExpertPlanner
 from sandbox.schema import (
-    DIFFICULTIES, AgentView, AssistanceRule, FailureTrigger, GoalStep, HumanPersona, MapConnection, MapObject,
-    MapPerson, MapPlace, ObjectRef, ScenePack, Subgoal, TaskInstance,
+    DIFFICULTIES, FailureTrigger, GoalStep, ObjectRef, ScenePack, Subgoal, TaskInstance,
 )
-from sandbox.world import HELD, Compiled, World, true_route
+from sandbox.world import Compiled, World
 
 # ----------------------------------------------------------------------------- configuration
 

@@ -190,8 +190,9 @@ class HumanAgent:
             dest = destination
             if dest in c.place and dest in w.known_places:
                 loc = dest
-            elif dest in c.obj and dest in w.known_obj and (c.obj[dest].surface or
-                                                            (c.obj[dest].container and (w.obj[dest]["open"] or not c.obj[dest].openable))):
+            elif dest in c.obj and dest in w.known_obj and (
+                    c.obj[dest].surface or (c.obj[dest].container and
+                                            (w.obj[dest]["open"] or not c.obj[dest].openable))):
                 loc = dest
             else:
                 return self._say(ctrl, person, "Where should I take it?", ok=False, error="refused")
