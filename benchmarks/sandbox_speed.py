@@ -20,6 +20,7 @@ Measurements
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import platform
@@ -300,7 +301,29 @@ def pick_minigrid_ids() -> tuple[list[str], dict[str, str]]:
     return chosen, subs
 
 
+class _LineCounter:
+    """Swallows what MiniGrid/BabyAI print on stdout ("Sampling rejected: ...") so stdout stays one JSON object."""
+
+    def __init__(self) -> None:
+        self.lines = 0
+
+    def write(self, s: str) -> int:
+        self.lines += s.count("\n")
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
 def time_minigrid(env_id: str, seconds: float, seed: int) -> dict:
+    sink = _LineCounter()
+    with contextlib.redirect_stdout(sink):
+        res = _time_minigrid(env_id, seconds, seed)
+    res["stdout_lines_swallowed"] = sink.lines
+    return res
+
+
+def _time_minigrid(env_id: str, seconds: float, seed: int) -> dict:
     env = gym.make(env_id)
     env.action_space.seed(seed)
     acts = [int(env.action_space.sample()) for _ in range(MINIGRID_PREGEN_ACTIONS)]

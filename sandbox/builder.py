@@ -493,9 +493,12 @@ class Draw:
             if not spots:
                 return False
             spot = self.rng.choice(spots)
-            kid = f"key_{len([o for o in self.env['objects'] if o.get('opens')]) + 1}"
+            taken = {o["id"] for o in self.env["objects"]}
+            kid = next(f"key_{i}" for i in range(1, 100) if f"key_{i}" not in taken)
             if self.scene.vocabulary == "babyai":
                 name, color = f"{c['color']} key", c["color"]
+                if any(o["type"] == "key" and o.get("color") == color for o in self.env["objects"]):
+                    return False  # a second key of that colour would make the instruction ambiguous
             else:
                 other = c["b"] if c["a"] in reach else c["a"]
                 name, color = f"key to the {_pname(self.env, other)} {c['kind']}", None
