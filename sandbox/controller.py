@@ -186,7 +186,9 @@ class EnvController:
             w.known_door[cid] = ("closed" if st == "locked" and not c.locks_visible else st)
         for pid, pl in w.person_place.items():
             if pl == here:
-                w.learned.add(f"saw:{pid}@{here}")
+                w.known_person[pid] = here
+            elif w.known_person.get(pid) == here:
+                w.known_person[pid] = None  # they were here and have gone
         return seen
 
     def describe_place(self, first: bool = False) -> str:
@@ -555,8 +557,7 @@ class EnvController:
 
     def _person_here(self, person: str, nearby: bool = True) -> StepResult | None:
         w, c = self.w, self.compiled
-        known = person in c.person and (person in c.view_people or
-                                        any(f.startswith(f"saw:{person}@") for f in w.learned))
+        known = person in c.person and person in w.known_person
         if not known:
             return self._err("unknown_entity", f"You don't know anyone called {person[:40]!r}.")
         if nearby and w.person_place[person] != w.agent_place:

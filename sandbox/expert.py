@@ -125,19 +125,12 @@ class Knowledge:
     def person_place(self, pid: str) -> str | None:
         if self.priv:
             return self.w.person_place[pid]
-        seen = [f for f in self.w.learned if f.startswith(f"saw:{pid}@")]
-        if seen and self.w.person_place[pid] == self.here and f"saw:{pid}@{self.here}" in self.w.learned:
-            return self.here
-        for p in self.c.task.agent_view.people:
-            if p.id == pid:
-                return p.last_seen if not seen else sorted(seen)[-1].split("@", 1)[1]
-        return sorted(seen)[-1].split("@", 1)[1] if seen else None
+        return self.w.known_person.get(pid)
 
     def people(self) -> list[str]:
         if self.priv:
             return list(self.c.person)
-        return [p for p in self.c.person if p in self.c.view_people
-                or any(f.startswith(f"saw:{p}@") for f in self.w.learned)]
+        return [p for p in self.c.person if p in self.w.known_person]
 
     def can_help(self, pid: str, request: str) -> bool:
         if self.priv:
@@ -423,7 +416,8 @@ class ExpertPlanner:
         k, w = self.k, self.ctrl.w
         q = self.ctrl.compiled.obj[oid].type.replace("_", " ")
         loc = k.loc(oid)
-        if loc in self.ctrl.compiled.obj and not w.visible(oid) and self.ctrl.compiled.obj[loc].openable \
+        hidden_inside = (not w.visible(oid)) if self.priv else (not self._believed_visible(oid))
+        if loc in self.ctrl.compiled.obj and hidden_inside and self.ctrl.compiled.obj[loc].openable \
                 and w.known_obj.get(oid) == loc:
             return (f"The {self._n(oid)} is inside the {self._n(loc)}; I'll open it.", _call("open", target=loc))
         if (k.here, q) not in self.m.searched:

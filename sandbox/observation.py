@@ -28,16 +28,8 @@ def known_map(w: World) -> dict:
         if loc is None or oid not in c.obj:
             continue
         objects.append((oid, c.obj[oid].name, "held" if loc == HELD else loc))
-    people = []
-    for pid in sorted(c.person):
-        seen = [f.split("@", 1)[1] for f in w.learned if f.startswith(f"saw:{pid}@")]
-        if pid in c.view_people or seen:
-            last = w.agent_place if f"saw:{pid}@{w.agent_place}" in w.learned and \
-                w.person_place[pid] == w.agent_place else None
-            if last is None:
-                view = next((p.last_seen for p in c.task.agent_view.people if p.id == pid), None)
-                last = sorted(seen)[-1] if seen else view
-            people.append((pid, c.person[pid].name, c.person[pid].role, last))
+    people = [(pid, c.person[pid].name, c.person[pid].role, loc or "unknown")
+              for pid, loc in sorted(w.known_person.items())]
     facts = []
     for f in sorted(w.learned):
         kind, _, eid = f.partition(":")

@@ -48,7 +48,7 @@ class World:
 
     __slots__ = ("c", "agent_place", "agent_near", "holding", "capacity", "obj", "door", "blocked", "restricted",
                  "hidden", "person_place", "asks", "helped", "known_places", "known_conns", "known_obj",
-                 "known_door", "learned", "notes", "reports", "finished", "latched", "_key")
+                 "known_door", "known_person", "learned", "notes", "reports", "finished", "latched", "_key")
 
     def __init__(self, c: Compiled):
         self.c = c
@@ -78,6 +78,7 @@ class World:
         w.known_door = {x.id: x.door for x in view.connections}
         w.known_obj = {o.id: o.last_seen for o in view.objects}
         w.known_obj.update({h: HELD for h in st.agent.holding})
+        w.known_person = {p.id: p.last_seen for p in view.people}
         w.learned = set()
         w.notes = {}
         w.reports = []
@@ -96,6 +97,7 @@ class World:
         w.person_place, w.asks, w.helped = dict(self.person_place), dict(self.asks), set(self.helped)
         w.known_places, w.known_conns = set(self.known_places), set(self.known_conns)
         w.known_door, w.known_obj = dict(self.known_door), dict(self.known_obj)
+        w.known_person = dict(self.known_person)
         w.learned, w.reports, w.notes = set(self.learned), list(self.reports), dict(self.notes)
         w.finished, w.latched, w._key = self.finished, self.latched, self._key
         return w
@@ -116,6 +118,7 @@ class World:
                 tuple(sorted(self.hidden)), tuple(self.person_place.values()), tuple(self.asks.values()),
                 tuple(sorted(self.helped)), tuple(sorted(self.learned)),
                 tuple(sorted((k, v) for k, v in self.known_obj.items() if v is not None)),
+                tuple(sorted(self.known_person.items())),
                 tuple(sorted(self.known_places)), self.reports[-1] if self.reports else None,
                 self.latched, self.finished,
             )

@@ -223,3 +223,37 @@ def test_build_tasks_in_memory_matches_files(tiny_build):
     out, _ = tiny_build
     splits, _ = build_tasks(load_recipe(TINY), show_progress=False)
     assert sorted(t.id for t in splits["test"]) == sorted(t.id for t in load_tasks(out, "test"))
+
+
+class _BeliefOnly:
+    """A view of a World that refuses every true-state field: what the teacher may not read."""
+
+    FORBIDDEN = {"obj", "door", "blocked", "restricted", "hidden", "person_place", "asks", "helped", "visible",
+                 "reachable_inside", "place_of", "state_key", "reports", "latched"}
+
+    def __init__(self, world):
+        object.__setattr__(self, "_w", world)
+
+    def __getattr__(self, name):
+        if name in self.FORBIDDEN:
+            raise AssertionError(f"the teacher read true state: World.{name}")
+        return getattr(object.__getattribute__(self, "_w"), name)
+
+
+def test_teacher_reads_only_the_belief(tiny_build):
+    """Every teacher decision is computed with the world's true-state fields locked away."""
+    out, _ = tiny_build
+    for t in _all_tasks(out):
+        ctrl = EnvController(t)
+        ctrl.reset()
+        planner = ExpertPlanner(ctrl, privileged=False)
+        while not ctrl.done and ctrl.steps < t.step_budget:
+            real = ctrl.w
+            ctrl.w = _BeliefOnly(real)
+            try:
+                _, call = planner.act()
+            finally:
+                ctrl.w = real
+            res = ctrl.step(call)
+            planner.observe(call, res)
+        assert ctrl.success, t.id
