@@ -41,7 +41,7 @@ def _from_obj(obj: Any, reasoning: str = "") -> ToolCall | ParseError:
     if isinstance(args, str):  # OpenAI sends arguments as a JSON string
         try:
             args = json.loads(args) if args.strip() else {}
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):  # JSONDecodeError, and ints past the digit limit
             return ParseError(f"the arguments of {name[:40]} are not valid JSON", reasoning=reasoning)
     if args is None:
         args = {}
@@ -62,7 +62,7 @@ def parse_text(text: str) -> ToolCall | ParseError:
     body = m.group(1).strip()
     try:
         obj = json.loads(body)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # JSONDecodeError, and ints past the digit limit
         return ParseError("the <tool_call> block is not valid JSON", reasoning=reasoning)
     return _from_obj(obj, reasoning)
 
@@ -87,4 +87,6 @@ def parse_action(action: Any) -> ToolCall | ParseError:
 
 def render_tool_call(name: str, arguments: dict) -> str:
     """The Hermes/Qwen text form the student is trained to emit (inverse of `parse_text`)."""
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
+    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    # "</" inside a JSON string is written "<\/" (same value), so a value can never close the block early
+    return "<tool_call>\n" + body.replace("</", "<\\/") + "\n</tool_call>"

@@ -25,6 +25,7 @@ import copy
 import json
 import platform
 import random
+import statistics
 import sys
 import time
 from typing import Any
@@ -361,9 +362,11 @@ def _time_minigrid(env_id: str, seconds: float, seed: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seconds", type=float, default=3.0, help="minimum wall time per measurement (default 3.0)")
+    ap.add_argument("--seconds", type=float, default=5.0,
+                    help="wall time per measurement, split over the rounds (default 5.0)")
     ap.add_argument("--quick", action="store_true", help="0.5 s per measurement (smoke run)")
     ap.add_argument("--recipe", default="recipes/tiny.yaml")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved sandbox/MiniGrid rounds (medians reported)")
     args = ap.parse_args(argv)
     seconds = 0.5 if args.quick else args.seconds
 
@@ -389,28 +392,35 @@ def main(argv: list[str] | None = None) -> dict:
     log("warm-up ...")
     time_replay_env(env, recs, 0.0)
 
-    log(f"[1] expert replay through gym.make({SANDBOX_ID!r}) for >= {seconds} s ...")
-    exp_env = time_replay_env(env, recs, seconds)
-    log(f"    {exp_env['steps_per_s']:.0f} steps/s")
-    log("[1b] expert replay on a bare EnvController ...")
-    exp_ctrl = time_replay_controller(recs, seconds, precompiled=False)
-    log(f"    {exp_ctrl['steps_per_s']:.0f} steps/s")
-    exp_ctrl_pre = time_replay_controller(recs, seconds, precompiled=True)
-    log(f"    precompiled: {exp_ctrl_pre['steps_per_s']:.0f} steps/s")
-
-    log("[2] random actions ...")
+    # Interleaved rounds: the machine is shared and noisy, so each round measures the sandbox and MiniGrid
+    # back to back and the medians of the per-round rates (and ratios) are reported.
     rand_actions = make_random_actions(tasks, RANDOM_ACTIONS_PER_TASK, SEED)
     time_random(env, tasks, rand_actions, 0.0)  # warm-up
-    rand = time_random(env, tasks, rand_actions, seconds)
-    log(f"    {rand['steps_per_s']:.0f} steps/s")
-
-    log("[3] MiniGrid / BabyAI ...")
     mg_ids, mg_subs = pick_minigrid_ids()
-    mg = {}
-    for k, env_id in enumerate(mg_ids):
-        mg[env_id] = time_minigrid(env_id, seconds, SEED + k)
-        log(f"    {env_id}: {mg[env_id]['steps_per_s']:.0f} steps/s")
-    mg_mean = sum(v["steps_per_s"] for v in mg.values()) / len(mg) if mg else float("nan")
+    per = seconds / args.rounds
+    rounds = []
+    for rnd in range(args.rounds):
+        row = {"expert": time_replay_env(env, recs, per), "random": time_random(env, tasks, rand_actions, per),
+               "minigrid": {env_id: time_minigrid(env_id, per, SEED + k) for k, env_id in enumerate(mg_ids)}}
+        row["minigrid_mean"] = sum(v["steps_per_s"] for v in row["minigrid"].values()) / max(1, len(mg_ids))
+        rounds.append(row)
+        log(f"[round {rnd + 1}/{args.rounds}] expert {row['expert']['steps_per_s']:.0f}, random "
+            f"{row['random']['steps_per_s']:.0f}, minigrid {row['minigrid_mean']:.0f} steps/s")
+    med = statistics.median
+    exp_env = {"steps_per_s": med(r["expert"]["steps_per_s"] for r in rounds),
+               "reset_time_fraction": med(r["expert"]["reset_time_fraction"] for r in rounds),
+               "rounds": [r["expert"]["steps_per_s"] for r in rounds]}
+    rand = {"steps_per_s": med(r["random"]["steps_per_s"] for r in rounds),
+            "rounds": [r["random"]["steps_per_s"] for r in rounds]}
+    mg = {env_id: {"steps_per_s": med(r["minigrid"][env_id]["steps_per_s"] for r in rounds),
+                   "rounds": [r["minigrid"][env_id]["steps_per_s"] for r in rounds]} for env_id in mg_ids}
+    mg_mean = med(r["minigrid_mean"] for r in rounds) if mg else float("nan")
+    round_ratio_exp = [r["expert"]["steps_per_s"] / r["minigrid_mean"] for r in rounds] if mg else []
+    round_ratio_rand = [r["random"]["steps_per_s"] / r["minigrid_mean"] for r in rounds] if mg else []
+
+    log("[1b] expert replay on a bare EnvController ...")
+    exp_ctrl = time_replay_controller(recs, seconds / 2, precompiled=False)
+    exp_ctrl_pre = time_replay_controller(recs, seconds / 2, precompiled=True)
 
     log("[4] expert end to end (planner + env) ...")
     time_expert_end_to_end(env, tasks[:2], 0.0)  # warm-up
@@ -418,8 +428,8 @@ def main(argv: list[str] | None = None) -> dict:
     log(f"    {e2e['steps_per_s']:.0f} steps/s, {e2e['episodes_per_s']:.1f} episodes/s")
     env.close()
 
-    ratio_exp = exp_env["steps_per_s"] / mg_mean if mg else None
-    ratio_rand = rand["steps_per_s"] / mg_mean if mg else None
+    ratio_exp = med(round_ratio_exp) if mg else None
+    ratio_rand = med(round_ratio_rand) if mg else None
     checks = {
         "expert_steps": exp_env["steps_per_s"] >= GOAL["min_steps_per_s"],
         "random_steps": rand["steps_per_s"] >= GOAL["min_steps_per_s"],
@@ -466,8 +476,12 @@ def main(argv: list[str] | None = None) -> dict:
             "minigrid_actions": "env.action_space.sample() after action_space.seed(seed), pre-generated",
             "sandbox_observation": "text (the env's default); actions are dict tool calls (random: ~10% malformed "
                                    "incl. raw text through agent.parser)",
-            "notes": "resets are not counted as steps; their time is included. The gym env recompiles the task "
-                     "(Compiled(task)) on every task switch, which these loops do every episode.",
+            "rounds": args.rounds,
+            "round_ratios_expert": [round(x, 3) for x in round_ratio_exp],
+            "round_ratios_random": [round(x, 3) for x in round_ratio_rand],
+            "notes": "resets are not counted as steps; their time is included. Rates are medians of interleaved "
+                     "rounds; ratios are medians of per-round ratios. The gym env caches compiled tasks, the bare "
+                     "controller number without precompilation compiles the task every episode.",
         },
     }
     print(json.dumps(result, indent=2))

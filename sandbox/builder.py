@@ -591,9 +591,11 @@ class Draw:
         oid = cands[0]
         self.obj(oid)["fragile"] = True
         start = self.env["agent"]["place"]
-        self.env["objects"].append({"id": "notebook_1", "type": "notebook", "name": "notebook", "size": "small",
+        taken = {o["id"] for o in self.env["objects"]}
+        nid = next(f"notebook_{i}" for i in range(1, 100) if f"notebook_{i}" not in taken)
+        self.env["objects"].append({"id": nid, "type": "notebook", "name": "notebook", "size": "small",
                                     "location": start, "_item": "notebook"})
-        self.env["agent"]["holding"] = ["notebook_1"]
+        self.env["agent"]["holding"] = [nid]
         self.add("fragile_item", oid, ["pick_up"], f"picking up {oid} while holding something",
                  "the agent refuses to risk dropping it", ["put the held notebook down, then pick it up"])
         return True

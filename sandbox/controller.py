@@ -43,20 +43,37 @@ class EnvController:
         self.compiled = task if isinstance(task, Compiled) else Compiled(task)
         self.task = self.compiled.task
         self.human = human or HumanAgent(self.compiled)
-        self.w: World = self.compiled.initial.clone()
+        self.w: World = self.compiled.initial  # replaced by a clone at reset(); never stepped before it
         self.steps = 0
         self.fired: dict[str, int] = {}
         self.crossed: list[str] = []   # connections walked through (the builder reads it)
+        self.reset_subgoals: list[str] = []  # subgoals already met by the initial state
         self.done = False
         self.success = False
 
     # ------------------------------------------------------------------ public API
 
     def reset(self, world: World | None = None) -> str:
-        self.w = (world or self.compiled.initial).clone()
+        """Start an episode from the task's initial state (or a given world); returns the first observation."""
         self.steps, self.fired, self.done, self.success = 0, {}, False, False
         self.crossed = []
-        return self.describe_place(first=True)
+        c = self.compiled
+        if world is not None:
+            self.w = world.clone()
+            text = self.describe_place(first=True)
+            self.w.touch()
+            self.reset_subgoals = self._latch()
+            return text
+        if c.reset_cache is None:  # the first observation is the same every episode: compute it once
+            self.w = c.initial.clone()
+            text = self.describe_place(first=True)
+            self.w.touch()
+            met = self._latch()  # subgoals already true before any action are met at reset, not by it
+            self.w.state_key()
+            c.reset_cache = (self.w, text, met)
+        start, text, self.reset_subgoals = c.reset_cache
+        self.w = start.clone()
+        return text
 
     def state_key(self) -> str:
         return self.w.state_key()
@@ -104,6 +121,8 @@ class EnvController:
         return name, clean
 
     def step(self, call: Any) -> StepResult:
+        if self.w is self.compiled.initial:  # stepping without reset(): never mutate the shared initial world
+            self.w = self.compiled.initial.clone()
         checked = self.validate(call)
         if isinstance(checked, StepResult):
             if checked.error != "episode_over":
@@ -158,11 +177,18 @@ class EnvController:
         return t.id if t else None
 
     def observe_here(self) -> list[str]:
-        """Update the belief with what is in plain sight here; return the visible object ids."""
+        """Update the belief with what is in plain sight here; return the visible portable object ids."""
         w, c = self.w, self.compiled
         here = w.agent_place
         seen = []
-        for oid in c.obj_order:
+        for oid in c.fixtures_at[here]:
+            w.known_obj[oid] = here
+            w.learned.add("seen:" + oid)
+            if c.obj[oid].openable:
+                st = w.obj[oid]["open"]
+                w.learned.discard(f"state:{oid}:open={not st}")
+                w.learned.add(f"state:{oid}:open={st}")
+        for oid in c.portable:
             if w.visible(oid):
                 seen.append(oid)
                 w.known_obj[oid] = w.obj[oid]["loc"]
@@ -183,7 +209,9 @@ class EnvController:
             w.known_conns.add(cid)
             w.known_places.add(nxt)
             st = w.door[cid]
-            w.known_door[cid] = ("closed" if st == "locked" and not c.locks_visible else st)
+            if st == "locked" and not c.locks_visible and ("locked:" + cid) not in w.learned:
+                st = "closed"  # a locked door looks closed until someone tries it
+            w.known_door[cid] = st
         for pid, pl in w.person_place.items():
             if pl == here:
                 w.known_person[pid] = here
@@ -193,7 +221,7 @@ class EnvController:
 
     def describe_place(self, first: bool = False) -> str:
         w, c = self.w, self.compiled
-        seen = self.observe_here()
+        seen = c.fixtures_at[w.agent_place] + self.observe_here()
         here = w.agent_place
         parts = [("You are in the " if first else "You are in the ") + f"{c.place[here].name} [{here}]."]
         if seen:
@@ -608,8 +636,9 @@ class EnvController:
             return w.obj[p.object][p.field] == p.value
         if k == "door_open":
             return w.door[p.door] == "open"
-        if k == "observed":  # the agent knows where it really is (holding it counts)
-            return w.known_obj.get(p.object) == w.obj[p.object]["loc"]
+        if k == "observed":  # seen (or told) this episode, and the agent knows where it really is
+            return (("seen:" + p.object) in w.learned or f"told_where:{p.object}" in w.learned) and \
+                w.known_obj.get(p.object) == w.obj[p.object]["loc"]
         if k == "inspected":
             return ("inspected:" + p.object) in w.learned
         if k == "told":

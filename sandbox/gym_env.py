@@ -26,6 +26,7 @@ class SandboxEnv(gym.Env):
     """
 
     metadata = {"render_modes": ["ansi"]}
+    cache_size = 4096  # compiled tasks kept per env (a split cycles through the same tasks)
 
     def __init__(self, task: TaskInstance | dict | None = None, render_mode: str | None = None):
         self.observation_space = spaces.Text(max_length=16_384, charset=_CHARSET)
@@ -35,12 +36,19 @@ class SandboxEnv(gym.Env):
         self._source: Any = None
         self.ctrl: EnvController | None = None
         self._last_obs = ""
+        self._cache: dict[int, tuple] = {}
+        self._pending_seed: int | None = None   # id(task) -> (task, Compiled, EnvController)
         if task is not None:
             self._use(task)
 
     def _use(self, task: TaskInstance | dict) -> None:
         if task is self._source and self._compiled is not None:
             return  # same object as last episode: reuse the compiled tables
+        if isinstance(task, TaskInstance):
+            hit = self._cache.get(id(task))
+            if hit is not None and hit[0] is task:  # compiled before (the cache keeps the object alive)
+                self._source, self._compiled, self.ctrl = task, hit[1], hit[2]
+                return
         if isinstance(task, dict):
             task_obj = TaskInstance.model_validate(task)
         elif isinstance(task, TaskInstance):
@@ -49,6 +57,11 @@ class SandboxEnv(gym.Env):
             raise TypeError(f"options['task'] must be a TaskInstance or a dict, not {type(task).__name__}")
         self._compiled = Compiled(task_obj)
         self._source = task
+        self.ctrl = EnvController(self._compiled)
+        if isinstance(task, TaskInstance):
+            if len(self._cache) >= self.cache_size:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[id(task)] = (task, self._compiled, self.ctrl)
 
     @property
     def task(self) -> TaskInstance:
@@ -56,8 +69,22 @@ class SandboxEnv(gym.Env):
             raise RuntimeError("no task: call reset(options={'task': ...}) first")
         return self._compiled.task
 
+    @property
+    def np_random(self):
+        # The sandbox itself is deterministic; a seeded generator is only made if someone asks for it
+        # (creating one on every reset would cost more than the reset).
+        if self._np_random is None:
+            from gymnasium.utils import seeding
+            self._np_random, self._np_random_seed = seeding.np_random(self._pending_seed)
+        return self._np_random
+
+    @np_random.setter
+    def np_random(self, value) -> None:
+        self._np_random = value
+
     def reset(self, *, seed: int | None = None, options: dict | None = None):
-        super().reset(seed=seed)
+        if seed is not None:
+            self._pending_seed, self._np_random = seed, None
         if options and "task" in options:
             self._use(options["task"])
         if self._compiled is None:

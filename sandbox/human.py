@@ -106,6 +106,7 @@ class HumanAgent:
                 w.known_door[hid] = "closed" if w.door[hid] == "locked" and not self.c.locks_visible else w.door[hid]
         if key in self.c.obj:
             w.known_obj[key] = w.obj[key]["loc"] if w.obj[key]["loc"] != HELD else HELD
+            w.learned.add("told_where:" + key)
             o = self.c.obj[key]
             if o.owner:
                 w.learned.add(f"owner:{key}={o.owner}")
@@ -127,6 +128,18 @@ class HumanAgent:
         return self.tell(ctrl, person, key)
 
     # ----------------------------------------------------------------- acting on the world
+
+    @staticmethod
+    def _contains(w, outer: str, inner: str) -> bool:
+        """Whether `inner` sits (at any depth) inside `outer`."""
+        loc = w.obj[inner]["loc"]
+        for _ in range(16):
+            if loc == outer:
+                return True
+            if loc not in w.obj:
+                return False
+            loc = w.obj[loc]["loc"]
+        return False
 
     def help(self, ctrl: "EnvController", person: str, request: str, target: str, reason: str,
              destination: str) -> "StepResult":
@@ -152,6 +165,7 @@ class HumanAgent:
             key = self.match_topic(person, target)
             if key is None:
                 return self._say(ctrl, person, self.phrase(person, "unknown"))
+            w.helped.add((person, request, target))
             return self.tell(ctrl, person, key)
         if request == "unlock":
             if target in c.conn and target in w.known_conns:
@@ -188,6 +202,9 @@ class HumanAgent:
             if w.obj[target]["loc"] == HELD or w.known_obj.get(target) is None:
                 return self._say(ctrl, person, "Where is it? Show me first.", ok=False, error="refused")
             dest = destination
+            inside = dest in c.obj and (dest == target or self._contains(w, target, dest))
+            if inside:
+                return self._say(ctrl, person, "I can't put it inside itself.", ok=False, error="refused")
             if dest in c.place and dest in w.known_places:
                 loc = dest
             elif dest in c.obj and dest in w.known_obj and (

@@ -7,6 +7,7 @@ function-calling JSON schema) that `agent.tools` renders for every model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from sandbox.schema import HELP_REQUESTS
 
@@ -27,11 +28,11 @@ class Skill:
     description: str
     params: tuple[Param, ...] = field(default_factory=tuple)
 
-    @property
+    @cached_property
     def required(self) -> frozenset[str]:
         return frozenset(p.name for p in self.params if p.required)
 
-    @property
+    @cached_property
     def allowed(self) -> frozenset[str]:
         return frozenset(p.name for p in self.params)
 

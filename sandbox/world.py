@@ -8,6 +8,7 @@ and GiGPO groups (many rollouts from one initial state) rely on.
 from __future__ import annotations
 
 import hashlib
+import marshal
 from collections import deque
 
 from sandbox.schema import FailureTrigger, HumanPersona, TaskInstance
@@ -40,7 +41,18 @@ class Compiled:
                 self.keys_for.setdefault(o.opens, []).append(o.id)
         self.locks_visible = st.locks_visible
         self.view_people = {p.id for p in task.agent_view.people}
+        # fixtures never move: index them by place; only portable objects need the containment walk
+        self.fixtures_at: dict[str, list[str]] = {p: [] for p in self.place}
+        self.portable: list[str] = []
+        for o in st.objects:
+            if not o.portable and o.location in self.place:
+                self.fixtures_at[o.location].append(o.id)
+            else:
+                self.portable.append(o.id)
         self.initial = World.from_task(self)
+        # (world after the first look, its observation, subgoals met at reset)
+        self.reset_cache: tuple[World, str, list[str]] | None = None
+        self.initial.state_key()  # computed once; every reset's clone inherits it
 
 
 class World:
@@ -110,19 +122,20 @@ class World:
     def state_key(self) -> str:
         """Stable hash of what matters: agent, holdings, object/door/NPC states, revealed facts, progress."""
         if self._key is None:
-            o = self.obj
+            # map() keeps the per-object work in C; dict order is the task's object order (see clone)
             canon = (
                 self.agent_place, self.agent_near, tuple(self.holding),
-                tuple(tuple(o[i].values()) for i in self.c.obj_order),
+                tuple(map(tuple, map(dict.values, self.obj.values()))),
                 tuple(self.door.values()), tuple(self.blocked.values()), tuple(self.restricted.values()),
                 tuple(sorted(self.hidden)), tuple(self.person_place.values()), tuple(self.asks.values()),
                 tuple(sorted(self.helped)), tuple(sorted(self.learned)),
-                tuple(sorted((k, v) for k, v in self.known_obj.items() if v is not None)),
+                tuple(sorted(self.known_obj.items())),   # keys are unique: values are never compared
                 tuple(sorted(self.known_person.items())),
                 tuple(sorted(self.known_places)), self.reports[-1] if self.reports else None,
                 self.latched, self.finished,
             )
-            self._key = hashlib.blake2b(repr(canon).encode(), digest_size=8).hexdigest()
+            # marshal version 2 has no back-references, so equal tuples give equal bytes in every process
+            self._key = hashlib.blake2b(marshal.dumps(canon, 2), digest_size=8).hexdigest()
         return self._key
 
     # ------------------------------------------------------------------ geometry
@@ -146,6 +159,8 @@ class World:
         for _ in range(16):
             if loc in self.c.place:
                 return loc == self.agent_place
+            if loc == HELD:  # inside something the agent carries
+                return False
             parent = self.c.obj[loc]
             if parent.openable and not parent.surface and not self.obj[loc]["open"]:
                 return False
@@ -160,6 +175,8 @@ class World:
         for _ in range(16):
             if loc in self.c.place:
                 return loc == self.agent_place
+            if loc == HELD:
+                return False
             if self.obj[loc]["locked"]:
                 return False
             loc = self.obj[loc]["loc"]
