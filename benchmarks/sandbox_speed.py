@@ -337,7 +337,7 @@ def _time_minigrid(env_id: str, seconds: float, seed: int) -> dict:
         if term or trunc:
             reset()
     obs, _ = reset(seed=seed)
-    steps = episodes = resets = 0
+    steps = episodes = 0
     j = 0
     t0 = perf()
     while True:
