@@ -982,38 +982,33 @@ class ProceduralBuilder:
         return out
 
     def _obstacles(self, draw: Draw, diff: str, trace: dict, tid, iid, lay, split, seed) -> bool:
+        """Medium: one recoverable obstacle. Hard: two or more, each laid on the route the previous one forces
+        (the plan is re-traced after each), and the person the plan must ask may be busy until asked twice."""
+        def retrace() -> dict | None:
+            try:
+                inst = draw.instance(tid, iid, diff, lay["layout_id"], split, seed)
+            except ValidationError:
+                return None
+            ctrl, steps = oracle(Compiled(inst))
+            return trace_of(steps, ctrl) if ctrl.success else None
+
         kinds = list(MEDIUM_KINDS)
         draw.rng.shuffle(kinds)
-        want = 1 if diff == "medium" else draw.rng.randint(self.cfg.hard_min_triggers, 3)
+        need = 1 if diff == "medium" else self.cfg.hard_min_triggers
+        want = 1 if diff == "medium" else draw.rng.randint(need, 3)
         applied = 0
         for k in kinds:
             if applied >= want:
                 break
             if draw.apply(k, trace):
                 applied += 1
-                if diff == "hard" and applied < want:
-                    # re-trace so the next obstacle nests on the recovery route (e.g. the key's path)
-                    try:
-                        inst = draw.instance(tid, iid, diff, lay["layout_id"], split, seed)
-                    except ValidationError:
+                if diff == "hard":
+                    trace = retrace()
+                    if trace is None:
                         return False
-                    ctrl, steps = oracle(Compiled(inst))
-                    if not ctrl.success:
-                        return False
-                    trace = trace_of(steps, ctrl)
-            elif any(t["kind"] == k for t in draw.triggers):
-                continue
-        if applied < (1 if diff == "medium" else self.cfg.hard_min_triggers):
-            return False
-        if diff == "hard":
-            try:
-                inst = draw.instance(tid, iid, diff, lay["layout_id"], split, seed)
-            except ValidationError:
-                return False
-            ctrl, steps = oracle(Compiled(inst))
-            if ctrl.success:
-                draw.apply("person_busy", trace_of(steps, ctrl))
-        return True
+        if (diff == "hard" or applied < need) and draw.apply("person_busy", trace):
+            applied += 1
+        return applied >= need
 
 
 def build_split(scenes: list[ScenePack], split: str, n_per_scene: int, cfg: BuildConfig, stats: BuildStats,
