@@ -181,13 +181,10 @@ class EnvController:
         w, c = self.w, self.compiled
         here = w.agent_place
         seen = []
-        for oid in c.fixtures_at[here]:
-            w.known_obj[oid] = here
-            w.learned.add("seen:" + oid)
-            if c.obj[oid].openable:
-                st = w.obj[oid]["open"]
-                w.learned.discard(f"state:{oid}:open={not st}")
-                w.learned.add(f"state:{oid}:open={st}")
+        for oid in c.openable_fixtures_at[here]:  # fixtures are landmarks on the map; only their state is news
+            st = w.obj[oid]["open"]
+            w.learned.discard(f"state:{oid}:open={not st}")
+            w.learned.add(f"state:{oid}:open={st}")
         for oid in c.portable:
             if w.visible(oid):
                 seen.append(oid)
@@ -220,29 +217,31 @@ class EnvController:
         return seen
 
     def describe_place(self, first: bool = False) -> str:
+        """The observation of the current place: what is in plain sight, who is here, the exits, holdings."""
         w, c = self.w, self.compiled
-        seen = c.fixtures_at[w.agent_place] + self.observe_here()
         here = w.agent_place
-        parts = [("You are in the " if first else "You are in the ") + f"{c.place[here].name} [{here}]."]
+        seen = c.fixtures_at[here] + self.observe_here()
+        label, obj_state = c.label, w.obj
+        parts = [c.here_text[here]]
         if seen:
             items = []
             for oid in seen:
-                loc = w.obj[oid]["loc"]
-                where = "" if loc == here else f" {'on' if c.obj[loc].surface else 'in'} the {c.obj[loc].name}"
-                items.append(self._label(oid) + where)
+                loc = obj_state[oid]["loc"]
+                items.append(label[oid] if loc == here else label[oid] + c.inside_text[loc])
             parts.append("You see: " + ", ".join(items) + ".")
-        people = [self._label(p) for p, pl in w.person_place.items() if pl == here]
+        people = [label[p] for p, pl in w.person_place.items() if pl == here]
         if people:
             parts.append("People here: " + ", ".join(people) + ".")
+        hidden, kd = w.hidden, w.known_door
         exits = []
-        for cid, nxt in c.adj[here]:
-            if cid in w.hidden:
+        for cid, text in c.exit_text[here]:
+            if cid in hidden:
                 continue
-            st = w.known_door.get(cid)
-            exits.append(f"{c.place[nxt].name} [{nxt}] via {cid}" + (f" ({st})" if st else ""))
+            st = kd.get(cid)
+            exits.append(f"{text} ({st})" if st else text)
         parts.append("Exits: " + "; ".join(exits) + ".")
         if w.holding:
-            parts.append("Holding: " + ", ".join(self._label(h) for h in w.holding) + ".")
+            parts.append("Holding: " + ", ".join(label[h] for h in w.holding) + ".")
         return " ".join(parts)
 
     # ------------------------------------------------------------------ skills

@@ -10,10 +10,13 @@ from __future__ import annotations
 import hashlib
 import marshal
 from collections import deque
+from operator import itemgetter
 
 from sandbox.schema import FailureTrigger, HumanPersona, TaskInstance
 
 HELD = "@agent"  # location of an object the agent holds
+# every mutable field of an object, in a fixed order
+_MUTABLE_FIELDS = itemgetter("loc", "next_to", "open", "locked", "on", "broken", "heavy", "fragile")
 
 
 class Compiled:
@@ -27,6 +30,7 @@ class Compiled:
         self.obj = {o.id: o for o in st.objects}
         self.obj_order = [o.id for o in st.objects]
         self.person = {p.id: p for p in st.people}
+        self.person_order = [p.id for p in st.people]
         self.fact = {f.id: f for f in st.facts}
         self.persona: dict[str, HumanPersona] = {h.person: h for h in task.human_persona}
         self.adj: dict[str, list[tuple[str, str]]] = {p: [] for p in self.place}
@@ -49,6 +53,14 @@ class Compiled:
                 self.fixtures_at[o.location].append(o.id)
             else:
                 self.portable.append(o.id)
+        # static text pieces of observations, built once per task
+        self.label = {o.id: f"{o.name} [{o.id}]" for o in st.objects}
+        self.label.update({p.id: f"{p.name} [{p.id}]" for p in st.people})
+        self.inside_text = {o.id: f" {'on' if o.surface else 'in'} the {o.name}" for o in st.objects}
+        self.here_text = {p.id: f"You are in the {p.name} [{p.id}]." for p in st.places}
+        self.exit_text = {p: [(cid, f"{self.place[nxt].name} [{nxt}] via {cid}") for cid, nxt in self.adj[p]]
+                          for p in self.place}
+        self.openable_fixtures_at = {p: [o for o in ids if self.obj[o].openable] for p, ids in self.fixtures_at.items()}
         self.initial = World.from_task(self)
         # (world after the first look, its observation, subgoals met at reset)
         self.reset_cache: tuple[World, str, list[str]] | None = None
@@ -60,11 +72,13 @@ class World:
 
     __slots__ = ("c", "agent_place", "agent_near", "holding", "capacity", "obj", "door", "blocked", "restricted",
                  "hidden", "person_place", "asks", "helped", "known_places", "known_conns", "known_obj",
-                 "known_door", "known_person", "learned", "notes", "reports", "finished", "latched", "_key")
+                 "known_door", "known_person", "learned", "notes", "reports", "finished", "latched", "_key",
+                 "_sorted_cache")
 
     def __init__(self, c: Compiled):
         self.c = c
         self._key: str | None = None
+        self._sorted_cache: dict[str, tuple] = {}
 
     @classmethod
     def from_task(cls, c: Compiled) -> "World":
@@ -112,6 +126,7 @@ class World:
         w.known_person = dict(self.known_person)
         w.learned, w.reports, w.notes = set(self.learned), list(self.reports), dict(self.notes)
         w.finished, w.latched, w._key = self.finished, self.latched, self._key
+        w._sorted_cache = dict(self._sorted_cache)
         return w
 
     # ------------------------------------------------------------------ canonical state
@@ -119,19 +134,29 @@ class World:
     def touch(self) -> None:
         self._key = None
 
+    def _sorted(self, name: str) -> tuple:
+        """Sorted tuple of a set that only grows (known_places, helped) or only shrinks (hidden): its length is
+        its version, so the sort is redone only when it changed."""
+        items = getattr(self, name)
+        cached = self._sorted_cache.get(name)
+        if cached is None or cached[0] != len(items):
+            cached = self._sorted_cache[name] = (len(items), tuple(sorted(items)))
+        return cached[1]
+
     def state_key(self) -> str:
         """Stable hash of what matters: agent, holdings, object/door/NPC states, revealed facts, progress."""
         if self._key is None:
             # map() keeps the per-object work in C; dict order is the task's object order (see clone)
             canon = (
                 self.agent_place, self.agent_near, tuple(self.holding),
-                tuple(map(tuple, map(dict.values, self.obj.values()))),
+                tuple(map(_MUTABLE_FIELDS, self.obj.values())),
                 tuple(self.door.values()), tuple(self.blocked.values()), tuple(self.restricted.values()),
-                tuple(sorted(self.hidden)), tuple(self.person_place.values()), tuple(self.asks.values()),
-                tuple(sorted(self.helped)), tuple(sorted(self.learned)),
-                tuple(sorted(self.known_obj.items())),   # keys are unique: values are never compared
-                tuple(sorted(self.known_person.items())),
-                tuple(sorted(self.known_places)), self.reports[-1] if self.reports else None,
+                self._sorted("hidden"), tuple(self.person_place.values()), tuple(self.asks.values()),
+                self._sorted("helped"), tuple(sorted(self.learned)),
+                # fixtures never move, so only portable objects' believed positions can differ
+                tuple(map(self.known_obj.get, self.c.portable)),
+                tuple(map(self.known_person.get, self.c.person_order)),
+                self._sorted("known_places"), self.reports[-1] if self.reports else None,
                 self.latched, self.finished,
             )
             # marshal version 2 has no back-references, so equal tuples give equal bytes in every process
