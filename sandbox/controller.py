@@ -185,21 +185,34 @@ class EnvController:
             st = w.obj[oid]["open"]
             w.learned.discard(f"state:{oid}:open={not st}")
             w.learned.add(f"state:{oid}:open={st}")
+        obj_state, known, learned = w.obj, w.known_obj, w.learned
+        fixture_place, closable = c.fixture_place, c.closable
         for oid in c.portable:
-            if w.visible(oid):
+            loc = obj_state[oid]["loc"]
+            if loc == here:  # fast paths: on the floor here, or on/in a fixture (fixtures never move)
+                vis = True
+            elif loc in fixture_place:
+                vis = fixture_place[loc] == here and (loc not in closable or obj_state[loc]["open"])
+            elif loc == HELD or loc in c.place:
+                vis = False
+            else:
+                vis = w.visible(oid)
+            if vis:
                 seen.append(oid)
-                w.known_obj[oid] = w.obj[oid]["loc"]
-                w.learned.add("seen:" + oid)
-                if c.obj[oid].openable:  # you can see whether a cupboard stands open
-                    st = w.obj[oid]["open"]
-                    w.learned.discard(f"state:{oid}:open={not st}")
-                    w.learned.add(f"state:{oid}:open={st}")
-            elif w.known_obj.get(oid) is not None and w.known_obj[oid] != HELD:
+                known[oid] = loc
+                learned.add("seen:" + oid)
+                if c.obj[oid].openable:  # you can see whether a box stands open
+                    st = obj_state[oid]["open"]
+                    learned.discard(f"state:{oid}:open={not st}")
+                    learned.add(f"state:{oid}:open={st}")
+            else:
+                kl = known.get(oid)
+                if kl is None or kl == HELD:
+                    continue
                 # believed here in plain sight but it is not: the belief becomes "unknown"
-                kl = w.known_obj[oid]
                 if kl == here or (kl in c.obj and w.place_of(kl) == here and w.visible(kl)
-                                  and (c.obj[kl].surface or w.obj[kl]["open"])):
-                    w.known_obj[oid] = None
+                                  and (not c.obj[kl].openable or c.obj[kl].surface or obj_state[kl]["open"])):
+                    known[oid] = None
         for cid, nxt in c.adj[here]:
             if cid in w.hidden:
                 continue
@@ -275,16 +288,16 @@ class EnvController:
             x = c.conn[cid]
             stop = None
             if w.blocked[cid]:
-                w.learned.add("blocked:" + cid)
+                w.learn("blocked:" + cid)
                 stop = (f"The way from the {c.place[w.agent_place].name} to the {c.place[nxt].name} is blocked.",
                         self._trigger("blocked_path", cid))
             elif w.door[cid] == "locked":
-                w.learned.add("locked:" + cid)
+                w.learn("locked:" + cid)
                 w.known_door[cid] = "locked"
                 stop = (f"The {x.kind} {cid} to the {c.place[nxt].name} is locked.",
                         self._trigger("locked_door", cid))
             elif w.restricted[nxt] and ("permit:" + nxt) not in w.learned:
-                w.learned.add("restricted:" + nxt)
+                w.learn("restricted:" + nxt)
                 stop = (f"The {c.place[nxt].name} is a restricted area: you need permission to enter.",
                         self._trigger("restricted_area", nxt))
             if stop:
@@ -373,9 +386,9 @@ class EnvController:
                 return self._err("precondition_unmet", f"You are not next to {target}.")
             st = w.door[target] or "open"
             if w.blocked[target]:
-                w.learned.add("blocked:" + target)
+                w.learn("blocked:" + target)
             if st == "locked":
-                w.learned.add("locked:" + target)
+                w.learn("locked:" + target)
                 w.known_door[target] = "locked"
             elif x.door is not None:
                 w.known_door[target] = st
@@ -509,13 +522,13 @@ class EnvController:
             if st == "locked":
                 key = next((k for k in w.holding if c.obj[k].opens == target), None)
                 if key is None:
-                    w.learned.add("locked:" + target)
+                    w.learn("locked:" + target)
                     w.known_door[target] = "locked"
                     tid = self._trigger("locked_door", target)
                     return StepResult(ok=False, observation=f"The {self._name(target)} is locked.",
                                       error="trigger_fired" if tid else "precondition_unmet", trigger=tid)
                 w.door[target] = w.known_door[target] = "open"
-                w.learned.discard("locked:" + target)
+                w.unlearn("locked:" + target)
                 return self._ok(f"You unlock the {self._name(target)} with the {c.obj[key].name} and open it.")
             w.door[target] = w.known_door[target] = "open"
             return self._ok(f"You open the {self._name(target)}.")

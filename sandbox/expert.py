@@ -108,19 +108,9 @@ class Knowledge:
         if not self.priv or not avoid:
             return w.known_route(w.agent_place, goal, avoid_obstacles=avoid)
         # oracle: the known map, with the true obstacles avoided
-        saved = set(w.learned)
-        for cid in w.known_conns:
-            if w.blocked[cid]:
-                w.learned.add("blocked:" + cid)
-            if w.door[cid] == "locked":
-                w.learned.add("locked:" + cid)
-        for p in w.known_places:
-            if w.restricted[p] and ("permit:" + p) not in w.learned:
-                w.learned.add("restricted:" + p)
-        try:
-            return w.known_route(w.agent_place, goal, avoid_obstacles=True)
-        finally:
-            w.learned = saved
+        extra = frozenset([cid for cid in w.known_conns if w.blocked[cid] or w.door[cid] == "locked"] +
+                          [p for p in w.known_places if w.restricted[p] and ("permit:" + p) not in w.learned])
+        return w.known_route(w.agent_place, goal, avoid_obstacles=True, extra=extra)
 
     def person_place(self, pid: str) -> str | None:
         if self.priv:

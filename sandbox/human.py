@@ -172,7 +172,7 @@ class HumanAgent:
                 if w.door[target] != "locked":
                     return self._say(ctrl, person, self.phrase(person, "pointless"), ok=False, error="refused")
                 w.door[target] = w.known_door[target] = "open"
-                w.learned.discard("locked:" + target)
+                w.unlearn("locked:" + target)
                 return done(f"Here, I've unlocked it for you. ({name} unlocks and opens the {ctrl._name(target)}.)")
             if target in c.obj and target in w.known_obj and w.obj[target]["locked"]:
                 w.obj[target]["locked"] = False
@@ -181,13 +181,13 @@ class HumanAgent:
         if request == "clear":
             if target in c.conn and target in w.known_conns and w.blocked[target]:
                 w.blocked[target] = False
-                w.learned.discard("blocked:" + target)
+                w.unlearn("blocked:" + target)
                 return done(f"Let me move that out of the way. ({name} clears the {ctrl._name(target)}.)")
             return self._say(ctrl, person, self.phrase(person, "pointless"), ok=False, error="refused")
         if request == "permission":
             if target in c.place and target in w.known_places and w.restricted[target]:
-                w.learned.add("permit:" + target)
-                w.learned.discard("restricted:" + target)
+                w.learn("permit:" + target)
+                w.unlearn("restricted:" + target)
                 return done(f"All right, you may go into the {c.place[target].name}.")
             return self._say(ctrl, person, self.phrase(person, "pointless"), ok=False, error="refused")
         if request == "repair":

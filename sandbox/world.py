@@ -60,6 +60,8 @@ class Compiled:
         self.here_text = {p.id: f"You are in the {p.name} [{p.id}]." for p in st.places}
         self.exit_text = {p: [(cid, f"{self.place[nxt].name} [{nxt}] via {cid}") for cid, nxt in self.adj[p]]
                           for p in self.place}
+        self.fixture_place = {o: p for p, ids in self.fixtures_at.items() for o in ids}
+        self.closable = {o.id for o in st.objects if o.openable and not o.surface}
         self.openable_fixtures_at = {p: [o for o in ids if self.obj[o].openable] for p, ids in self.fixtures_at.items()}
         self.initial = World.from_task(self)
         # (world after the first look, its observation, subgoals met at reset)
@@ -73,12 +75,13 @@ class World:
     __slots__ = ("c", "agent_place", "agent_near", "holding", "capacity", "obj", "door", "blocked", "restricted",
                  "hidden", "person_place", "asks", "helped", "known_places", "known_conns", "known_obj",
                  "known_door", "known_person", "learned", "notes", "reports", "finished", "latched", "_key",
-                 "_sorted_cache")
+                 "_sorted_cache", "_routes")
 
     def __init__(self, c: Compiled):
         self.c = c
         self._key: str | None = None
         self._sorted_cache: dict[str, tuple] = {}
+        self._routes: dict[tuple, list | None] = {}
 
     @classmethod
     def from_task(cls, c: Compiled) -> "World":
@@ -127,6 +130,7 @@ class World:
         w.learned, w.reports, w.notes = set(self.learned), list(self.reports), dict(self.notes)
         w.finished, w.latched, w._key = self.finished, self.latched, self._key
         w._sorted_cache = dict(self._sorted_cache)
+        w._routes = dict(self._routes)
         return w
 
     # ------------------------------------------------------------------ canonical state
@@ -212,55 +216,53 @@ class World:
         ln = self.learned
         return ("locked:" + conn_id) not in ln and ("blocked:" + conn_id) not in ln
 
-    def known_route(self, start: str, goal: str, avoid_obstacles: bool = True) -> list[tuple[str, str]] | None:
-        """Shortest route over the agent's known map: [(connection, next place), ...]."""
+    # Obstacle facts go through learn/unlearn so the route cache stays right.
+    def learn(self, fact: str) -> None:
+        if fact not in self.learned:
+            self.learned.add(fact)
+            self._routes.clear()
+
+    def unlearn(self, fact: str) -> None:
+        if fact in self.learned:
+            self.learned.discard(fact)
+            self._routes.clear()
+
+    def known_route(self, start: str, goal: str, avoid_obstacles: bool = True,
+                    extra: frozenset[str] | None = None) -> list[tuple[str, str]] | None:
+        """Shortest route over the agent's known map: [(connection, next place), ...].
+
+        With `avoid_obstacles`, connections and places the agent knows to be impassable are avoided, and so
+        are the ids in `extra` (the oracle passes the true obstacles). Results are cached until the known map
+        grows or an obstacle fact changes.
+        """
         if start == goal:
             return []
+        kc, kp, ln = self.known_conns, self.known_places, self.learned
+        key = (start, goal, avoid_obstacles, len(kc), len(kp))
+        if extra is None and key in self._routes:
+            return self._routes[key]
         prev: dict[str, tuple[str, str] | None] = {start: None}
         q = deque([start])
-        kc, kp, ln = self.known_conns, self.known_places, self.learned
-        while q:
+        found = None
+        while q and found is None:
             here = q.popleft()
             for cid, nxt in self.c.adj[here]:
                 if cid not in kc or nxt not in kp or nxt in prev:
                     continue
                 if avoid_obstacles and (not self.known_passable(cid) or
-                                        (("restricted:" + nxt) in ln and ("permit:" + nxt) not in ln)):
+                                        (("restricted:" + nxt) in ln and ("permit:" + nxt) not in ln) or
+                                        (extra is not None and (cid in extra or nxt in extra))):
                     continue
                 prev[nxt] = (here, cid)
                 if nxt == goal:
-                    path = []
-                    node = goal
+                    path, node = [], goal
                     while prev[node] is not None:
                         p, c = prev[node]
                         path.append((c, node))
                         node = p
-                    return path[::-1]
+                    found = path[::-1]
+                    break
                 q.append(nxt)
-        return None
-
-
-def true_route(w: World, start: str, goal: str, blocked_ok: bool = False) -> list[tuple[str, str]] | None:
-    """Shortest route over the true graph (privileged: the validation oracle and the builder)."""
-    if start == goal:
-        return []
-    prev: dict[str, tuple[str, str] | None] = {start: None}
-    q = deque([start])
-    while q:
-        here = q.popleft()
-        for cid, nxt in w.c.adj[here]:
-            if nxt in prev:
-                continue
-            if not blocked_ok and (w.blocked[cid] or w.door[cid] == "locked" or
-                                   (w.restricted[nxt] and ("permit:" + nxt) not in w.learned)):
-                continue
-            prev[nxt] = (here, cid)
-            if nxt == goal:
-                path, node = [], goal
-                while prev[node] is not None:
-                    p, c = prev[node]
-                    path.append((c, node))
-                    node = p
-                return path[::-1]
-            q.append(nxt)
-    return None
+        if extra is None:
+            self._routes[key] = found
+        return None if found is None else list(found)
