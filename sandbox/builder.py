@@ -276,7 +276,7 @@ def sample_instruction(scene: ScenePack, env: dict, rng: random.Random, kind: st
             owner = rng.choice(env["people"])["id"]
             o["owner"] = owner
         owner_name = next((p["name"] for p in env["people"] if p["id"] == owner), None)
-        what = f"{owner_name}'s {o['name'].split(' ', 1)[-1] if o.get('color') else o['name']}" if owner \
+        what = f"{owner_name}'s {it.name}" if owner \
             else label(o)
         if babyai:
             others = [x for x in items if x["id"] != o["id"]]
@@ -318,7 +318,8 @@ def sample_instruction(scene: ScenePack, env: dict, rng: random.Random, kind: st
         first = sample_instruction(scene, env, rng, "fetch_place")
         second_kind = "navigation" if babyai else rng.choice(["operate", "navigation"])
         second = sample_instruction(scene, env, rng, second_kind)
-        if first is None or second is None or (second.target and second.target == first.target):
+        if first is None or second is None or (second.target and second.target in
+                                               first.on_map | first.off_map | {first.target}):
             return None
         sgs = [Subgoal(id=f"sg{i}", description=s.description, predicate=s.predicate)
                for i, s in enumerate(first.subgoals + second.subgoals)]

@@ -372,20 +372,28 @@ class ExpertPlanner:
             if k.person_place(pid) == k.here and (pid, q) not in self.m.asked and (pid, "talk") not in self.m.refused:
                 return (f"The {q} is not in the {self._n(k.here)}. {self._n(pid)} is here and may know where it is.",
                         _call("talk_to", person=pid, topic=q, message=f"Do you know where the {q} is?"))
-        # nearest person not yet asked, if close; else the nearest unsearched place
+        # the nearest person not yet asked or unsearched place; those behind a known obstacle come last
+        # (reaching them means dealing with it: a key, a detour or a helper)
+        def cost(place: str) -> float | None:
+            r = k.route(place)
+            if r is not None:
+                return len(r)
+            r = k.route(place, avoid=False)
+            return None if r is None else 100 + len(r)
+
         options = []
         for pid in k.people():
             pp = k.person_place(pid)
             if pp and (pid, q) not in self.m.asked and (pid, "talk") not in self.m.refused:
-                r = k.route(pp)
-                if r is not None:
-                    options.append((len(r) + 0.5, "person", pid, pp))
+                d = cost(pp)
+                if d is not None:
+                    options.append((d + 0.5, "person", pid, pp))
         self.m.looked.add(k.here)
         for p in sorted(self.ctrl.w.known_places):
             if p != k.here and (p, q) not in self.m.searched and (p not in self.m.looked or self._needs_search(p)):
-                r = k.route(p)
-                if r is not None:
-                    options.append((len(r), "place", p, p))
+                d = cost(p)
+                if d is not None:
+                    options.append((d, "place", p, p))
         if not options:
             self.m.gave_up = True
             return self.act()
@@ -442,7 +450,7 @@ class ExpertPlanner:
             if kind == "locked":
                 return self.unlock(eid, side)
             if kind == "blocked":
-                return self.get_help("clear", eid, why=f"the way through {eid} is blocked")
+                return self.get_help("clear", eid, why=f"the {self._n(eid)} is blocked")
             return self.get_help("permission", eid, why=f"I need to enter the {self._n(eid)} for my task")
         finally:
             self._handling.discard(ob)
@@ -494,24 +502,24 @@ class ExpertPlanner:
         if held:
             x = c.conn[cid]
             if k.here in (x.a, x.b):
-                return (f"I have the {self._n(held)}, so I'll unlock {cid}.", _call("open", target=cid))
-            return self.move_to(side, f"I need to reach {cid} with the {self._n(held)}")
+                return (f"I have the {self._n(held)}, so I'll unlock the {self._n(cid)}.", _call("open", target=cid))
+            return self.move_to(side, f"I need to reach the {self._n(cid)} with the {self._n(held)}")
         keys = [o for o in c.keys_for.get(cid, []) if (k.known(o) or self.priv) and cid not in self.m.no_key]
         keys = [o for o in keys if k.place_of(o) is not None]
         if keys:
             key = keys[0]
-            return self.acquire(key, why=f"{cid} is locked and the {self._n(key)} opens it")
-        return self.get_help("unlock", cid, why=f"{cid} is locked and I have no key for it")
+            return self.acquire(key, why=f"the {self._n(cid)} is locked and the {self._n(key)} opens it")
+        return self.get_help("unlock", cid, why=f"the {self._n(cid)} is locked and I have no key for it")
 
     def open_door(self, d: str):
         k, c = self.k, self.ctrl.compiled
         x = c.conn[d]
         if k.here not in (x.a, x.b):
             ends = sorted((x.a, x.b), key=lambda p: len(k.route(p) or [0] * 99))
-            return self.move_to(ends[0], f"I need to be next to {d} to open it")
+            return self.move_to(ends[0], f"I need to be next to the {self._n(d)} to open it")
         if k.flag("locked", d):
             return self.unlock(d, k.here)
-        return (f"I'm next to {d}; I'll open it.", _call("open", target=d))
+        return (f"I'm next to the {self._n(d)}; I'll open it.", _call("open", target=d))
 
     def get_help(self, request: str, target: str, why: str, destination: str | None = None):
         k = self.k

@@ -217,7 +217,7 @@ class HumanAgent:
             w.obj[target]["next_to"] = None
             w.known_obj[target] = loc
             w.person_place[person] = w.place_of(target)
-            w.known_person[person] = None  # walked off with it
+            w.known_person[person] = w.person_place[person]  # the agent heard where they took it
             return done(f"I'll carry it for you. ({name} carries the {c.obj[target].name} to the "
                         f"{ctrl._name(loc)}.)")
         return self._say(ctrl, person, self.phrase(person, "cannot"), ok=False, error="refused")

@@ -257,3 +257,13 @@ def test_teacher_reads_only_the_belief(tiny_build):
             res = ctrl.step(call)
             planner.observe(call, res)
         assert ctrl.success, t.id
+
+
+def test_medium_recipe_builds_and_the_teacher_solves_everything():
+    """The main job's recipe at full size: ~1,200 candidate instances, every accepted one solved by the teacher."""
+    splits, stats = build_tasks(load_recipe(ROOT / "recipes" / "medium.yaml"), show_progress=False)
+    assert stats["accepted"] > 600
+    assert stats["expert_solved"] == 1.0
+    for d in ("easy", "medium", "hard"):
+        assert stats["by_difficulty"][d]["accepted"] > 100, d
+    assert not {t.instruction for t in splits["train"]} & {t.instruction for t in splits["test"]}
