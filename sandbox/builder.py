@@ -601,6 +601,17 @@ class Draw:
                  "the agent refuses to risk dropping it", ["put the held notebook down, then pick it up"])
         return True
 
+    def _destination_places(self) -> set[str]:
+        """Where the instruction wants things taken: an obstacle must not move the target there already."""
+        out = set()
+        for g in self.draft.goal:
+            if g.op == "fetch":
+                if g.place:
+                    out.add(g.place)
+                if g.container:
+                    out.add(_place_of(self.env, g.container))
+        return out
+
     def _target_taken(self) -> bool:
         """At most one of moved / hidden / look-alike per target: they would undo each other."""
         return any(t["kind"] in ("object_moved", "person_knowledge", "ambiguous_target") for t in self.triggers)
@@ -615,8 +626,9 @@ class Draw:
         it = next(i for i in self.scene.items if i.type == o["_item"])
         old_place = _place_of(self.env, o["location"])
         reach = self.reachable()
-        spots = [s for s in it.spawn if _place_of(self.env, s) != old_place and _place_of(self.env, s) in reach]
-        spots += [p for p in sorted(reach) if p != old_place and self.scene.vocabulary == "babyai"]
+        avoid = self._destination_places() | {old_place}
+        spots = [s for s in it.spawn if _place_of(self.env, s) not in avoid and _place_of(self.env, s) in reach]
+        spots += [p for p in sorted(reach) if p not in avoid and self.scene.vocabulary == "babyai"]
         if not spots:
             return False
         self.stale[oid] = o["location"]
@@ -673,6 +685,8 @@ class Draw:
         if self.obj(oid).get("portable") is False:
             return False
         spot = spots[0].id
+        if spot in self._destination_places():
+            return False
         links = [c for c in self.env["connections"] if spot in (c["a"], c["b"])]
         if not links or any(c["door"] == "locked" or c.get("blocked") for c in links):
             return False
@@ -779,7 +793,6 @@ def resolve_trigger(w: World, t: FailureTrigger) -> None:
             else:
                 w.known_conns.add(hid)
                 w.known_door[hid] = w.door[hid]
-        w.known_obj[x] = w.obj[x]["loc"]
     elif k == "person_busy":
         w.asks[x] = 99
     w.touch()

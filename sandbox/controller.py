@@ -271,9 +271,11 @@ class EnvController:
             if kl in c.obj and w.known_obj.get(kl) is not None and w.known_obj[kl] in c.place:
                 dest = w.known_obj[kl]
         else:
-            tid = self._trigger("person_knowledge", target)
+            tid = self._trigger("person_knowledge", target) or c.hidden_trigger.get(target)
             if tid:
-                return self._err("unknown_entity", f"You don't know where {target[:40]!r} is.", tid)
+                # same words as for any unknown id: the agent must not learn that it exists
+                return self._err("unknown_entity", f"You don't know any place or object called {target[:40]!r}.",
+                                 tid)
             return self._err("unknown_entity", f"You don't know any place or object called {target[:40]!r}.")
         if obj is not None and w.known_obj[obj] == HELD:
             return self._err("precondition_unmet", f"You are holding the {c.obj[obj].name}.")

@@ -264,7 +264,7 @@ class ExpertPlanner:
             if p != k.here:
                 return self.move_to(p, f"the {self._n(oid)} is in the {self._n(p)}")
             state = self._seen_state(oid, g.attribute)
-            if state is None:
+            if state is None or ("inspected:" + oid) not in self.ctrl.w.learned:  # check it properly
                 return (f"I'll inspect the {self._n(oid)} to see whether it is {g.attribute}.",
                         _call("inspect", target=oid))
             word = _STATE_WORDS[g.attribute][state]
@@ -314,10 +314,9 @@ class ExpertPlanner:
         kl = w.known_obj.get(oid)
         if kl is None:
             return False
-        if self.priv:
-            return kl == w.obj[oid]["loc"]
-        # the teacher trusts only what it saw this episode, not the map's last-known position
-        return ("seen:" + oid) in w.learned
+        # only what was seen (or told) this episode counts, not the map's last-known position
+        known = ("seen:" + oid) in w.learned or ("told_where:" + oid) in w.learned
+        return known and (kl == w.obj[oid]["loc"] if self.priv else True)
 
     def _seen_state(self, oid: str, attr: str) -> bool | None:
         for v in (True, False):
@@ -644,6 +643,8 @@ class ExpertPlanner:
                 return self.get_help("carry", oid, why=f"the {self._n(oid)} is too heavy for me to lift",
                                      destination=g.container or g.place)
             return None
+        if not (g.place or g.container or g.next_to):
+            return None  # "pick up the X": holding it is the goal
         if g.next_to is not None:
             if other is None:
                 return self.find(g.next_to)

@@ -207,15 +207,17 @@ class HumanAgent:
                 return self._say(ctrl, person, "I can't put it inside itself.", ok=False, error="refused")
             if dest in c.place and dest in w.known_places:
                 loc = dest
-            elif dest in c.obj and dest in w.known_obj and (
-                    c.obj[dest].surface or (c.obj[dest].container and
-                                            (w.obj[dest]["open"] or not c.obj[dest].openable))):
+            elif dest in c.obj and dest in w.known_obj and (c.obj[dest].surface or c.obj[dest].container) \
+                    and not w.obj[dest]["locked"]:
                 loc = dest
+                if c.obj[dest].openable and not c.obj[dest].surface:
+                    w.obj[dest]["open"] = True  # they open it to put the thing inside
             else:
                 return self._say(ctrl, person, "Where should I take it?", ok=False, error="refused")
             w.obj[target]["loc"] = loc
             w.obj[target]["next_to"] = None
             w.known_obj[target] = loc
+            w.learned.add("told_where:" + target)  # the agent hears where it is being taken
             w.person_place[person] = w.place_of(target)
             w.known_person[person] = w.person_place[person]  # the agent heard where they took it
             return done(f"I'll carry it for you. ({name} carries the {c.obj[target].name} to the "

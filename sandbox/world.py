@@ -39,6 +39,13 @@ class Compiled:
             self.adj[c.b].append((c.id, c.a))
         self.triggers: list[FailureTrigger] = list(task.failure_triggers)
         self.trigger_by: dict[tuple[str, str], FailureTrigger] = {(t.kind, t.target): t for t in self.triggers}
+        # hidden places/doors -> the person_knowledge trigger whose reveal puts them on the map
+        self.hidden_trigger: dict[str, str] = {}
+        for t in self.triggers:
+            if t.kind == "person_knowledge":
+                for h in task.human_persona:
+                    for hid in h.reveals.get(t.target, []):
+                        self.hidden_trigger[hid] = t.id
         self.keys_for: dict[str, list[str]] = {}
         for o in st.objects:
             if o.opens:

@@ -463,7 +463,8 @@ FIRING = {
     "t_heavy": [("pick_up", {"object": "crate_1"})],
     "t_restricted": [("navigate", {"target": "office"})],
     "t_ambiguous": [("navigate", {"target": "kitchen"}), ("pick_up", {"object": "mug_1"})],
-    "t_knowledge": [("navigate", {"target": "phone_1"})],
+    # resolving it puts the back room on the map (the agent still has to go and look for the phone)
+    "t_knowledge": [("navigate", {"target": "backroom"})],
     "t_busy": [("navigate", {"target": "kitchen"}), ("talk_to", {"person": "bob", "topic": "book_1"})],
 }
 
