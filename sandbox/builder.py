@@ -20,7 +20,7 @@ from typing import Iterable, Protocol
 from pydantic import ValidationError
 
 from sandbox.controller import EnvController
-from sandbox.expert import ExpertPlanner
+from sandbox.expert import solve
 from sandbox.schema import (
     DIFFICULTIES, FailureTrigger, GoalStep, ObjectRef, ScenePack, Subgoal, TaskInstance,
 )
@@ -171,10 +171,6 @@ def _sg(i: int, desc: str, pred: dict) -> Subgoal:
     return Subgoal.model_validate({"id": f"sg{i}", "description": desc, "predicate": pred})
 
 
-def _the(o: dict, env: dict) -> str:
-    return o["name"]
-
-
 def _items(env: dict) -> list[dict]:
     return [o for o in env["objects"] if o.get("portable", True) and "_item" in o]
 
@@ -203,14 +199,11 @@ def sample_instruction(scene: ScenePack, env: dict, rng: random.Random, kind: st
         color = o.get("color") if (babyai or by_type[o["type"]] > 1) else None
         return ObjectRef(type=o["type"], color=color, owner=owner)
 
-    def label(o: dict) -> str:
-        return o["name"] if (babyai or by_type[o["type"]] > 1 or not o.get("color")) else o["name"]
-
     if kind == "navigation":
         if babyai:
             o = rng.choice(items)
-            return Draft(kind, f"Go to the {label(o)}.", [GoalStep(op="go_to", object=ref(o))],
-                         [_sg(0, f"stand next to the {label(o)}", {"kind": "agent_near", "object": o["id"]})],
+            return Draft(kind, f"Go to the {o['name']}.", [GoalStep(op="go_to", object=ref(o))],
+                         [_sg(0, f"stand next to the {o['name']}", {"kind": "agent_near", "object": o["id"]})],
                          [], on_map=set(), off_map={o["id"]}, target=o["id"])
         cands = [p for p in place_ids if p != start]
         p = rng.choice(cands)
@@ -221,8 +214,8 @@ def sample_instruction(scene: ScenePack, env: dict, rng: random.Random, kind: st
         o = rng.choice(items)
         where = "which room it is in" if babyai else "where it is"
         p = _place_of(env, o["location"])
-        return Draft(kind, f"Find the {label(o)} and report {where}.", [GoalStep(op="find_report", object=ref(o))],
-                     [_sg(0, f"see the {label(o)}", {"kind": "observed", "object": o["id"]}),
+        return Draft(kind, f"Find the {o['name']} and report {where}.", [GoalStep(op="find_report", object=ref(o))],
+                     [_sg(0, f"see the {o['name']}", {"kind": "observed", "object": o["id"]}),
                       _sg(1, f"report that it is in the {_pname(env, p)}",
                           {"kind": "reported", "value": p, "aliases": [_pname(env, p)]})],
                      [], on_map=set(), off_map={o["id"]}, target=o["id"])
@@ -277,20 +270,20 @@ def sample_instruction(scene: ScenePack, env: dict, rng: random.Random, kind: st
             o["owner"] = owner
         owner_name = next((p["name"] for p in env["people"] if p["id"] == owner), None)
         what = f"{owner_name}'s {it.name}" if owner \
-            else label(o)
+            else o["name"]
         if babyai:
             others = [x for x in items if x["id"] != o["id"]]
             if others and rng.random() < 0.6:
                 x = rng.choice(others)
-                return Draft(kind, f"Put the {label(o)} next to the {label(x)}.",
+                return Draft(kind, f"Put the {o['name']} next to the {x['name']}.",
                              [GoalStep(op="fetch", object=ref(o), next_to=ref(x))],
-                             [_sg(0, f"pick up the {label(o)}", {"kind": "holding", "object": o["id"]}),
-                              _sg(1, f"put it next to the {label(x)}",
+                             [_sg(0, f"pick up the {o['name']}", {"kind": "holding", "object": o["id"]}),
+                              _sg(1, f"put it next to the {x['name']}",
                                   {"kind": "next_to", "object": o["id"], "other": x["id"]})],
                              [{"kind": "next_to", "object": o["id"], "other": x["id"]}],
                              on_map=set(), off_map={o["id"], x["id"]}, target=o["id"])
-            return Draft(kind, f"Pick up the {label(o)}.", [GoalStep(op="fetch", object=ref(o))],
-                         [_sg(0, f"pick up the {label(o)}", {"kind": "holding", "object": o["id"]})],
+            return Draft(kind, f"Pick up the {o['name']}.", [GoalStep(op="fetch", object=ref(o))],
+                         [_sg(0, f"pick up the {o['name']}", {"kind": "holding", "object": o["id"]})],
                          [{"kind": "holding", "object": o["id"]}], on_map=set(), off_map={o["id"]}, target=o["id"])
         dest_fix = [f for f in fixtures if (f.get("surface") or f.get("container")) and
                     _place_of(env, f["location"]) != here]
@@ -808,20 +801,6 @@ def run_plan(task: Compiled, world: World, calls: Iterable[dict]) -> EnvControll
     return ctrl
 
 
-def oracle(task: Compiled, world: World | None = None, max_steps: int = 500):
-    ctrl = EnvController(task)
-    ctrl.reset(world)
-    steps = ExpertPlanner(ctrl, privileged=True).run(max_steps=max_steps)
-    return ctrl, steps
-
-
-def teacher(task: Compiled, max_steps: int | None = None):
-    ctrl = EnvController(task)
-    ctrl.reset()
-    steps = ExpertPlanner(ctrl, privileged=False).run(max_steps=max_steps)
-    return ctrl, steps
-
-
 def hidden_strings(task: TaskInstance) -> list[str]:
     """Strings that must never appear in what the agent sees at the start."""
     out = []
@@ -861,7 +840,7 @@ def leaks(task: TaskInstance, first_observation: str) -> list[str]:
 def validate_instance(task: TaskInstance, cfg: BuildConfig) -> tuple[TaskInstance | None, str | None, bool]:
     """Return (instance with budget and optimal steps set, rejection reason, teacher solved)."""
     comp = Compiled(task)
-    ctrl, steps = oracle(comp)
+    ctrl, steps = solve(comp)
     if not ctrl.success:
         return None, "oracle_failed", False
     optimal = len(steps)
@@ -873,7 +852,7 @@ def validate_instance(task: TaskInstance, cfg: BuildConfig) -> tuple[TaskInstanc
         clean = comp.initial.clone()
         for t in comp.triggers:
             resolve_trigger(clean, t)
-        cctrl, csteps = oracle(comp, clean)
+        cctrl, csteps = solve(comp, world=clean)
         if not cctrl.success:
             return None, "clean_variant_unsolved", False
         plan = [s[1] for s in csteps]
@@ -883,7 +862,7 @@ def validate_instance(task: TaskInstance, cfg: BuildConfig) -> tuple[TaskInstanc
                 # a busy helper only matters where help is needed: plan as if they were free, keep the rest
                 free = comp.initial.clone()
                 resolve_trigger(free, t)
-                _, fsteps = oracle(comp, free)
+                _, fsteps = solve(comp, world=free)
                 run = run_plan(comp, wt, [s[1] for s in fsteps])
             else:
                 for other in comp.triggers:
@@ -899,7 +878,7 @@ def validate_instance(task: TaskInstance, cfg: BuildConfig) -> tuple[TaskInstanc
     if problems:
         return None, "leak", False
     final = task.model_copy(update={"step_budget": budget, "optimal_steps": optimal})
-    tctrl, _ = teacher(Compiled(final))
+    tctrl, _ = solve(Compiled(final), privileged=False)
     return final, None, tctrl.success
 
 
@@ -973,7 +952,7 @@ class ProceduralBuilder:
                 try:
                     if base_trace is None:
                         clean = draw.instance(tid, iid, "easy", lay["layout_id"], split, seed)
-                        cc, cs = oracle(Compiled(clean))
+                        cc, cs = solve(Compiled(clean))
                         if not cc.success:
                             reason = "oracle_failed"
                             break
@@ -1003,7 +982,7 @@ class ProceduralBuilder:
                 inst = draw.instance(tid, iid, diff, lay["layout_id"], split, seed)
             except ValidationError:
                 return None
-            ctrl, steps = oracle(Compiled(inst))
+            ctrl, steps = solve(Compiled(inst))
             return trace_of(steps, ctrl) if ctrl.success else None
 
         kinds = list(MEDIUM_KINDS)
