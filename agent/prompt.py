@@ -12,11 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SYSTEM_PROMPT = (
-    "You are an embodied assistant acting in a building or outdoor area through skills. "
-    "Each turn, think briefly about what you know, then call exactly one skill as "
-    "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>. Use only ids you have seen. "
-    "If something blocks you, recover: look for another way, search, or ask a person for help with a reason. "
-    "Report answers with `report`, and call `finish` only when every part of the task is done."
+    "You are an embodied assistant. Each turn think briefly, then call one skill as "
+    "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>, using only ids you have seen. "
+    "When blocked, recover: another way, a search, or a person's help (give a reason). "
+    "Report answers with report; finish only when the whole task is done."
 )
 
 
@@ -33,22 +32,29 @@ class StepMemory:
         else:
             args = ", ".join(f"{v}" for v in (call.get("arguments") or {}).values() if isinstance(v, str))
             text = f"{call.get('name')}({args[:80]})"
-        result = ("ok" if error is None else error) + ": " + observation[:120]
+        result = ("ok" if error is None else error) + ": " + observation[:90]
         self.steps.append((text, result))
         del self.steps[: -self.size]
 
 
+def _place(pid: str, name: str, landmarks: list[str]) -> str:
+    text = pid if name == pid.replace("_", " ") else f"{pid} ({name})"
+    return text + (f" [{', '.join(landmarks)}]" if landmarks else "")
+
+
 def render_known(known: dict) -> str:
-    lines = [f"You are at: {known['place']}. Holding: {', '.join(known['holding']) or 'nothing'}."]
-    lines.append("Places: " + ", ".join(f"{pid} ({name})" for pid, name in known["places"]))
-    exits = []
+    """The known map, compactly: places with their landmarks, links (door ids and states), objects, people."""
+    marks = known.get("landmarks", {})
+    lines = [f"At: {known['place']}. Holding: {', '.join(known['holding']) or 'nothing'}.",
+             "Places: " + ", ".join(_place(pid, name, marks.get(pid, [])) for pid, name in known["places"])]
+    links = []
     for cid, a, b, door in known["connections"]:
-        exits.append(f"{a}-{b} [{cid}{', ' + door if door else ''}]")
-    lines.append("Connections: " + "; ".join(exits))
+        links.append(f"{a}-{b} ({cid}{' ' + door if door else ''})" if door else f"{a}-{b}")
+    lines.append("Links: " + ", ".join(links))
     if known["objects"]:
-        lines.append("Known objects: " + "; ".join(f"{oid} ({name}) at {loc}" for oid, name, loc in known["objects"]))
+        lines.append("Objects: " + "; ".join(f"{oid} {name} @{loc}" for oid, name, loc in known["objects"]))
     if known["people"]:
-        lines.append("People: " + "; ".join(f"{pid} ({name}, {role}) at {loc}" for pid, name, role, loc
+        lines.append("People: " + "; ".join(f"{pid} {name}, {role} @{loc}" for pid, name, role, loc
                                              in known["people"]))
     return "\n".join(lines)
 
@@ -56,13 +62,13 @@ def render_known(known: dict) -> str:
 def build_step_messages(instruction: str, known: dict, memory: StepMemory, observation: str,
                         step: int, budget: int) -> list[dict]:
     """The chat messages for one decision (system + user)."""
-    parts = [f"Task: {instruction}", f"Step {step + 1} of at most {budget}.", render_known(known)]
+    parts = [f"Task: {instruction}", f"Step {step + 1}/{budget}.", render_known(known)]
     if known["facts"]:
-        parts.append("Known facts: " + "; ".join(known["facts"]))
+        parts.append("Facts: " + "; ".join(known["facts"]))
     if memory.steps:
-        parts.append("Recent steps:\n" + "\n".join(f"- {c} -> {r}" for c, r in memory.steps))
+        parts.append("Recent:\n" + "\n".join(f"- {c} -> {r}" for c, r in memory.steps))
     parts.append(f"Observation: {observation}")
-    parts.append("What is your next skill call?")
+    parts.append("Next skill call?")
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "\n".join(parts)}]
 
 

@@ -23,9 +23,12 @@ def known_map(w: World) -> dict:
     for cid in sorted(w.known_conns):
         x = c.conn[cid]
         conns.append((cid, x.a, x.b, w.known_door.get(cid)))
-    objects = []
+    objects, landmarks = [], {}
     for oid, loc in sorted(w.known_obj.items()):
         if loc is None or oid not in c.obj:
+            continue
+        if oid in c.fixture_place:  # fixtures are landmarks of their place
+            landmarks.setdefault(loc, []).append(oid)
             continue
         objects.append((oid, c.obj[oid].name, "held" if loc == HELD else loc))
     people = [(pid, c.person[pid].name, c.person[pid].role, loc or "unknown")
@@ -39,5 +42,6 @@ def known_map(w: World) -> dict:
             oid, _, who = eid.partition("=")
             facts.append(f"{oid} belongs to {c.person[who].name if who in c.person else who}")
     facts += list(w.notes.values())
-    return {"place": w.agent_place, "holding": list(w.holding), "places": places, "connections": conns,
+    return {"place": w.agent_place, "holding": list(w.holding), "places": places, "landmarks": landmarks,
+            "connections": conns,
             "objects": objects, "people": people, "facts": facts}
