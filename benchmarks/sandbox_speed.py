@@ -33,12 +33,12 @@ from typing import Any
 import gymnasium as gym
 
 import sandbox  # noqa: F401  (registers embodistill/Sandbox-v0)
-from evaluation.policies import ExpertPolicy
+from evaluation.policies import ExpertPolicy, random_call
 from pipeline.recipe import load_recipe
 from pipeline.stages import build_tasks
 from sandbox.controller import EnvController
 from sandbox.expert import ExpertPlanner
-from sandbox.schema import HELP_REQUESTS, TaskInstance
+from sandbox.schema import TaskInstance
 from sandbox.skills import SKILLS
 from sandbox.world import Compiled
 
@@ -168,24 +168,6 @@ def _view_ids(task: TaskInstance) -> list[str]:
         [p.id for p in v.people]
 
 
-def _valid_call(rng: random.Random, ids: list[str]) -> dict:
-    """Like evaluation.policies.RandomPolicy.act, but over the ids of the task's agent_view."""
-    skill = SKILLS[rng.choice(list(SKILLS))]
-    args: dict[str, str] = {}
-    for p in skill.params:
-        if not p.required and rng.random() < 0.5:
-            continue
-        if p.enum:
-            args[p.name] = rng.choice(p.enum)
-        elif p.name in ("reason", "message", "summary", "answer", "query"):
-            args[p.name] = rng.choice(ids + ["help", "something"]) if ids else "x"
-        else:
-            args[p.name] = rng.choice(ids) if ids and rng.random() < 0.9 else "thing"
-    if skill.name == "ask_for_help" and "request" not in args:
-        args["request"] = rng.choice(HELP_REQUESTS)
-    return {"name": skill.name, "arguments": args}
-
-
 def _malformed_call(rng: random.Random, ids: list[str]) -> Any:
     kind = rng.randrange(7)
     some_id = rng.choice(ids) if ids else "x"
@@ -205,7 +187,7 @@ def _malformed_call(rng: random.Random, ids: list[str]) -> Any:
     if kind == 4:  # raw garbage text through the parser
         return rng.choice(_GARBAGE_TEXT)
     if kind == 5:  # well-formed text through the parser (the model's usual form)
-        call = _valid_call(rng, ids)
+        call = random_call(rng, ids)
         return "<think>try something</think>\n<tool_call>\n" + json.dumps(call) + "\n</tool_call>"
     return rng.choice([None, 17, ["navigate"], {"tool_calls": []}])  # not a call at all
 
@@ -215,7 +197,7 @@ def make_random_actions(tasks: list[TaskInstance], n: int, seed: int, malformed_
     for i, task in enumerate(tasks):
         rng = random.Random(seed * 1_000_003 + i)
         ids = _view_ids(task)
-        out.append([_malformed_call(rng, ids) if rng.random() < malformed_rate else _valid_call(rng, ids)
+        out.append([_malformed_call(rng, ids) if rng.random() < malformed_rate else random_call(rng, ids)
                     for _ in range(n)])
     return out
 

@@ -7,7 +7,6 @@ import random
 
 from sandbox.expert import ExpertPlanner
 from sandbox.gym_env import SandboxEnv
-from sandbox.schema import HELP_REQUESTS
 from sandbox.skills import SKILLS
 
 
@@ -26,6 +25,22 @@ class ExpertPolicy:
         self.planner.observe(call, res)
 
 
+def random_call(rng: random.Random, ids: list[str]) -> dict:
+    """A uniformly random skill with arguments drawn from `ids` (and sometimes junk)."""
+    skill = SKILLS[rng.choice(list(SKILLS))]
+    args = {}
+    for p in skill.params:
+        if not p.required and rng.random() < 0.5:
+            continue
+        if p.enum:
+            args[p.name] = rng.choice(p.enum)
+        elif p.name in ("reason", "message", "summary", "answer", "query"):
+            args[p.name] = rng.choice(ids + ["help", "something"]) if ids else "x"
+        else:
+            args[p.name] = rng.choice(ids) if ids and rng.random() < 0.9 else "thing"
+    return {"name": skill.name, "arguments": args}
+
+
 class RandomPolicy:
     """Uniform over skills, arguments drawn from ids the agent has seen (and sometimes junk)."""
 
@@ -35,24 +50,11 @@ class RandomPolicy:
         self.rng = random.Random(seed)
 
     def act(self, env: SandboxEnv, observation: str) -> tuple[str, dict]:
-        rng = self.rng
         known = env.known()
         ids = [p for p, _ in known["places"]] + [o for o, _, _ in known["objects"]] + \
-              [c for c, *_ in known["connections"]] + [p for p, *_ in known["people"]]
-        skill = SKILLS[rng.choice(list(SKILLS))]
-        args = {}
-        for p in skill.params:
-            if not p.required and rng.random() < 0.5:
-                continue
-            if p.enum:
-                args[p.name] = rng.choice(p.enum)
-            elif p.name in ("reason", "message", "summary", "answer", "query"):
-                args[p.name] = rng.choice(ids + ["help", "something"]) if ids else "x"
-            else:
-                args[p.name] = rng.choice(ids) if ids and rng.random() < 0.9 else "thing"
-        if skill.name == "ask_for_help" and "request" not in args:
-            args["request"] = rng.choice(HELP_REQUESTS)
-        return "random", {"name": skill.name, "arguments": args}
+            [f for fs in known["landmarks"].values() for f in fs] + \
+            [c for c, *_ in known["connections"]] + [p for p, *_ in known["people"]]
+        return "random", random_call(self.rng, ids)
 
     def observe(self, call, result_info: dict, observation: str) -> None:
         pass
