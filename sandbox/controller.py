@@ -48,6 +48,8 @@ class EnvController:
         self.fired: dict[str, int] = {}
         self.crossed: list[str] = []   # connections walked through (the builder reads it)
         self.reset_subgoals: list[str] = []  # subgoals already met by the initial state
+        self._handlers = {name: getattr(self, "_do_" + name) for name in SKILLS}
+        self._n_subgoals = len(self.task.subgoals)
         self.done = False
         self.success = False
 
@@ -97,12 +99,14 @@ class EnvController:
         if not isinstance(args, dict):
             return self._err("bad_arguments", f"The arguments of {name} must be an object.")
         skill = SKILLS[name]
-        extra = [k for k in args if k not in skill.allowed]
-        if extra:
-            return self._err("extra_argument", f"{name} takes no argument {str(extra[0])[:40]!r}.")
-        missing = sorted(skill.required - set(args))
-        if missing:
-            return self._err("missing_argument", f"{name} needs the argument {missing[0]!r}.")
+        allowed = skill.allowed
+        for k in args:
+            if k not in allowed:
+                return self._err("extra_argument", f"{name} takes no argument {str(k)[:40]!r}.")
+        if len(args) < len(allowed):
+            missing = sorted(skill.required - set(args))
+            if missing:
+                return self._err("missing_argument", f"{name} needs the argument {missing[0]!r}.")
         clean: dict[str, str] = {}
         for p in skill.params:
             if p.name not in args:
@@ -130,9 +134,9 @@ class EnvController:
             return checked
         self.steps += 1
         name, args = checked
-        res = getattr(self, "_do_" + name)(**args)
+        res = self._handlers[name](**args)
         self.w.touch()
-        res.subgoals_met = self._latch()
+        res.subgoals_met = self._latch() if self.w.latched < self._n_subgoals else []
         if name == "finish":
             self.done = res.done = True
             self.w.finished = True
@@ -181,11 +185,16 @@ class EnvController:
         w, c = self.w, self.compiled
         here = w.agent_place
         seen = []
+        learned = w.learned
         for oid in c.openable_fixtures_at[here]:  # fixtures are landmarks on the map; only their state is news
-            st = w.obj[oid]["open"]
-            w.learned.discard(f"state:{oid}:open={not st}")
-            w.learned.add(f"state:{oid}:open={st}")
-        obj_state, known, learned = w.obj, w.known_obj, w.learned
+            is_open, is_closed = c.open_facts[oid]
+            if w.obj[oid]["open"]:
+                learned.discard(is_closed)
+                learned.add(is_open)
+            else:
+                learned.discard(is_open)
+                learned.add(is_closed)
+        obj_state, known = w.obj, w.known_obj
         fixture_place, closable = c.fixture_place, c.closable
         for oid in c.portable:
             loc = obj_state[oid]["loc"]

@@ -68,6 +68,7 @@ class Compiled:
         self.exit_text = {p: [(cid, f"{self.place[nxt].name} [{nxt}] via {cid}") for cid, nxt in self.adj[p]]
                           for p in self.place}
         self.fixture_place = {o: p for p, ids in self.fixtures_at.items() for o in ids}
+        self.open_facts = {o.id: (f"state:{o.id}:open=True", f"state:{o.id}:open=False") for o in st.objects}
         self.closable = {o.id for o in st.objects if o.openable and not o.surface}
         self.openable_fixtures_at = {p: [o for o in ids if self.obj[o].openable] for p, ids in self.fixtures_at.items()}
         self.initial = World.from_task(self)
@@ -145,10 +146,9 @@ class World:
     def touch(self) -> None:
         self._key = None
 
-    def _sorted(self, name: str) -> tuple:
+    def _sorted(self, name: str, items) -> tuple:
         """Sorted tuple of a set that only grows (known_places, helped) or only shrinks (hidden): its length is
         its version, so the sort is redone only when it changed."""
-        items = getattr(self, name)
         cached = self._sorted_cache.get(name)
         if cached is None or cached[0] != len(items):
             cached = self._sorted_cache[name] = (len(items), tuple(sorted(items)))
@@ -162,12 +162,12 @@ class World:
                 self.agent_place, self.agent_near, tuple(self.holding),
                 tuple(map(_MUTABLE_FIELDS, self.obj.values())),
                 tuple(self.door.values()), tuple(self.blocked.values()), tuple(self.restricted.values()),
-                self._sorted("hidden"), tuple(self.person_place.values()), tuple(self.asks.values()),
-                self._sorted("helped"), tuple(sorted(self.learned)),
+                self._sorted("hidden", self.hidden), tuple(self.person_place.values()), tuple(self.asks.values()),
+                self._sorted("helped", self.helped), tuple(sorted(self.learned)),
                 # fixtures never move, so only portable objects' believed positions can differ
                 tuple(map(self.known_obj.get, self.c.portable)),
                 tuple(map(self.known_person.get, self.c.person_order)),
-                self._sorted("known_places"), self.reports[-1] if self.reports else None,
+                self._sorted("known_places", self.known_places), self.reports[-1] if self.reports else None,
                 self.latched, self.finished,
             )
             # marshal version 2 has no back-references, so equal tuples give equal bytes in every process
