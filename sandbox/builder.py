@@ -788,7 +788,7 @@ def resolve_trigger(w: World, t: FailureTrigger) -> None:
                 w.known_door[hid] = w.door[hid]
     elif k == "person_busy":
         w.asks[x] = 99
-    w.touch()
+    w.touch_objects()
 
 
 def run_plan(task: Compiled, world: World, calls: Iterable[dict]) -> EnvController:

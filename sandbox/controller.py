@@ -30,6 +30,9 @@ class StepResult:
 
 
 _WS = re.compile(r"[^a-z0-9]+")
+# skills whose handlers never change an object's state (location, open, on, ...): the state key can reuse
+# the object part. Everything else (pick_up, place, open, close, operate, ask_for_help) refreshes it.
+_OBJECTS_UNTOUCHED = frozenset({"navigate", "look_around", "search", "inspect", "talk_to", "report", "finish"})
 
 
 def norm(text: str) -> str:
@@ -135,7 +138,10 @@ class EnvController:
         self.steps += 1
         name, args = checked
         res = self._handlers[name](**args)
-        self.w.touch()
+        if name in _OBJECTS_UNTOUCHED:
+            self.w.touch()
+        else:
+            self.w.touch_objects()
         res.subgoals_met = self._latch() if self.w.latched < self._n_subgoals else []
         if name == "finish":
             self.done = res.done = True

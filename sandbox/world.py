@@ -83,12 +83,13 @@ class World:
     __slots__ = ("c", "agent_place", "agent_near", "holding", "capacity", "obj", "door", "blocked", "restricted",
                  "hidden", "person_place", "asks", "helped", "known_places", "known_conns", "known_obj",
                  "known_door", "known_person", "learned", "notes", "reports", "finished", "latched", "_key",
-                 "_sorted_cache", "_routes")
+                 "_sorted_cache", "_routes", "_obj_canon")
 
     def __init__(self, c: Compiled):
         self.c = c
         self._key: str | None = None
         self._sorted_cache: dict[str, tuple] = {}
+        self._obj_canon: tuple | None = None
         self._routes: dict[tuple, list | None] = {}
 
     @classmethod
@@ -138,13 +139,26 @@ class World:
         w.learned, w.reports, w.notes = set(self.learned), list(self.reports), dict(self.notes)
         w.finished, w.latched, w._key = self.finished, self.latched, self._key
         w._sorted_cache = dict(self._sorted_cache)
+        w._obj_canon = self._obj_canon
         w._routes = dict(self._routes)
         return w
 
     # ------------------------------------------------------------------ canonical state
 
     def touch(self) -> None:
+        """The state may have changed: the key is recomputed on next use (object states are assumed same)."""
         self._key = None
+
+    def touch_objects(self) -> None:
+        """Object states may have changed too (pick, place, open, operate, a helper acting, a counterfactual)."""
+        self._key = None
+        self._obj_canon = None
+
+    def uncached_key(self) -> str:
+        """The state key computed from scratch, with every cache dropped (tests check the caches with it)."""
+        w = self.clone()
+        w._key, w._obj_canon, w._sorted_cache = None, None, {}
+        return w.state_key()
 
     def _sorted(self, name: str, items) -> tuple:
         """Sorted tuple of a set that only grows (known_places, helped) or only shrinks (hidden): its length is
@@ -154,13 +168,18 @@ class World:
             cached = self._sorted_cache[name] = (len(items), tuple(sorted(items)))
         return cached[1]
 
+    def _objects_canon(self) -> tuple:
+        if self._obj_canon is None:  # map() keeps the per-object work in C
+            self._obj_canon = tuple(map(_MUTABLE_FIELDS, self.obj.values()))
+        return self._obj_canon
+
     def state_key(self) -> str:
         """Stable hash of what matters: agent, holdings, object/door/NPC states, revealed facts, progress."""
         if self._key is None:
-            # map() keeps the per-object work in C; dict order is the task's object order (see clone)
+            # dict order is the task's object order (see clone)
             canon = (
                 self.agent_place, self.agent_near, tuple(self.holding),
-                tuple(map(_MUTABLE_FIELDS, self.obj.values())),
+                self._objects_canon(),
                 tuple(self.door.values()), tuple(self.blocked.values()), tuple(self.restricted.values()),
                 self._sorted("hidden", self.hidden), tuple(self.person_place.values()), tuple(self.asks.values()),
                 self._sorted("helped", self.helped), tuple(sorted(self.learned)),

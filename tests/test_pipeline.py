@@ -267,3 +267,31 @@ def test_medium_recipe_builds_and_the_teacher_solves_everything():
     for d in ("easy", "medium", "hard"):
         assert stats["by_difficulty"][d]["accepted"] > 100, d
     assert not {t.instruction for t in splits["train"]} & {t.instruction for t in splits["test"]}
+
+
+def test_state_key_caches_match_a_fresh_computation(tiny_build):
+    """The cached parts of the state key (objects, sorted sets) never go stale, for expert and random play."""
+    import random
+
+    from evaluation.policies import random_call
+
+    out, _ = tiny_build
+    rng = random.Random(0)
+    for t in _all_tasks(out)[:60]:
+        for policy in ("expert", "random"):
+            ctrl = EnvController(t)
+            ctrl.reset()
+            assert ctrl.w.state_key() == ctrl.w.uncached_key()
+            planner = ExpertPlanner(ctrl, privileged=False)
+            while not ctrl.done and ctrl.steps < t.step_budget:
+                if policy == "expert":
+                    call = planner.act()[1]
+                else:
+                    known = known_map(ctrl.w)
+                    ids = [p for p, _ in known["places"]] + [o for o, *_ in known["objects"]] + \
+                        [c for c, *_ in known["connections"]] + [p for p, *_ in known["people"]]
+                    call = random_call(rng, ids)
+                res = ctrl.step(call)
+                if policy == "expert":
+                    planner.observe(call, res)
+                assert res.state_key == ctrl.w.uncached_key(), (t.id, call)
