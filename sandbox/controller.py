@@ -30,9 +30,10 @@ class StepResult:
 
 
 _WS = re.compile(r"[^a-z0-9]+")
-# skills whose handlers never change an object's state (location, open, on, ...): the state key can reuse
-# the object part. Everything else (pick_up, place, open, close, operate, ask_for_help) refreshes it.
-_OBJECTS_UNTOUCHED = frozenset({"navigate", "look_around", "search", "inspect", "talk_to", "report", "finish"})
+# skills whose handlers never change objects, people, restrictions, hidden places or blocked paths: the
+# state key reuses that part. Everything else (pick_up, place, open, close, operate, talk_to, ask_for_help)
+# refreshes it; tests compare every cached key with a fresh one.
+_OBJECTS_UNTOUCHED = frozenset({"navigate", "look_around", "search", "inspect", "report", "finish"})
 
 
 def norm(text: str) -> str:

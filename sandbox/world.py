@@ -89,7 +89,7 @@ class World:
         self.c = c
         self._key: str | None = None
         self._sorted_cache: dict[str, tuple] = {}
-        self._obj_canon: tuple | None = None
+        self._obj_canon: bytes | None = None   # digest of the slow-changing parts of the state
         self._routes: dict[tuple, list | None] = {}
 
     @classmethod
@@ -150,7 +150,8 @@ class World:
         self._key = None
 
     def touch_objects(self) -> None:
-        """Object states may have changed too (pick, place, open, operate, a helper acting, a counterfactual)."""
+        """Objects, people, restrictions or hidden places may have changed too (pick, place, open, operate, a
+        person answering or acting, a counterfactual)."""
         self._key = None
         self._obj_canon = None
 
@@ -168,21 +169,23 @@ class World:
             cached = self._sorted_cache[name] = (len(items), tuple(sorted(items)))
         return cached[1]
 
-    def _objects_canon(self) -> tuple:
-        if self._obj_canon is None:  # map() keeps the per-object work in C
-            self._obj_canon = tuple(map(_MUTABLE_FIELDS, self.obj.values()))
+    def _slow_digest(self) -> bytes:
+        """Digest of the parts that only some skills change (objects, restrictions, hidden places, people,
+        help given, blocked paths); kept until `touch_objects()`."""
+        if self._obj_canon is None:
+            slow = (tuple(map(_MUTABLE_FIELDS, self.obj.values())),   # dict order is the task's object order
+                    tuple(self.blocked.values()), tuple(self.restricted.values()),
+                    self._sorted("hidden", self.hidden), tuple(self.person_place.values()),
+                    tuple(self.asks.values()), self._sorted("helped", self.helped))
+            self._obj_canon = hashlib.blake2b(marshal.dumps(slow, 2), digest_size=16).digest()
         return self._obj_canon
 
     def state_key(self) -> str:
         """Stable hash of what matters: agent, holdings, object/door/NPC states, revealed facts, progress."""
         if self._key is None:
-            # dict order is the task's object order (see clone)
             canon = (
-                self.agent_place, self.agent_near, tuple(self.holding),
-                self._objects_canon(),
-                tuple(self.door.values()), tuple(self.blocked.values()), tuple(self.restricted.values()),
-                self._sorted("hidden", self.hidden), tuple(self.person_place.values()), tuple(self.asks.values()),
-                self._sorted("helped", self.helped), tuple(sorted(self.learned)),
+                self.agent_place, self.agent_near, tuple(self.holding), self._slow_digest(),
+                tuple(self.door.values()), tuple(sorted(self.learned)),
                 # fixtures never move, so only portable objects' believed positions can differ
                 tuple(map(self.known_obj.get, self.c.portable)),
                 tuple(map(self.known_person.get, self.c.person_order)),
