@@ -354,8 +354,8 @@ class EnvController:
             return self._err("bad_argument_value", "search.query has no words.")
         found = []
         for oid in c.obj_order:
-            o = c.obj[oid]
-            if not (q in norm(o.type) or q in norm(o.name) or q == oid or norm(o.type) in q):
+            ntype, nname = c.norm_names[oid]
+            if not (q in ntype or q in nname or q == oid or ntype in q):
                 continue
             if w.reachable_inside(oid):
                 found.append(oid)

@@ -68,6 +68,8 @@ class Compiled:
         self.exit_text = {p: [(cid, f"{self.place[nxt].name} [{nxt}] via {cid}") for cid, nxt in self.adj[p]]
                           for p in self.place}
         self.fixture_place = {o: p for p, ids in self.fixtures_at.items() for o in ids}
+        from sandbox.controller import norm  # the one text normaliser (search queries, reports)
+        self.norm_names = {o.id: (norm(o.type), norm(o.name)) for o in st.objects}
         self.open_facts = {o.id: (f"state:{o.id}:open=True", f"state:{o.id}:open=False") for o in st.objects}
         self.closable = {o.id for o in st.objects if o.openable and not o.surface}
         self.openable_fixtures_at = {p: [o for o in ids if self.obj[o].openable] for p, ids in self.fixtures_at.items()}
