@@ -96,16 +96,18 @@ def verify_replay(recs: list[dict]) -> int:
 # ----------------------------------------------------------------------------- timed loops
 
 
-def time_replay_env(env, recs: list[dict], seconds: float) -> dict:
-    """Replay each task's recorded calls (reset + steps), cycling over tasks until `seconds` have elapsed."""
+def _replay(recs: list[dict], seconds: float, start) -> dict:
+    """Replay each task's recorded calls, cycling over tasks until `seconds` have elapsed.
+
+    `start(i, rec)` resets for episode i and returns the step function; its time counts as reset time.
+    """
     steps = episodes = 0
     reset_time = 0.0
-    reset, step = env.reset, env.step
     t0 = perf()
     while True:
-        for r in recs:
+        for i, r in enumerate(recs):
             tr = perf()
-            reset(seed=SEED, options={"task": r["task"]})
+            step = start(i, r)
             reset_time += perf() - tr
             for a in r["actions"]:
                 step(a)
@@ -118,35 +120,27 @@ def time_replay_env(env, recs: list[dict], seconds: float) -> dict:
             "episodes_per_s": episodes / elapsed, "reset_time_fraction": reset_time / elapsed}
 
 
+def time_replay_env(env, recs: list[dict], seconds: float) -> dict:
+    """Replay through the Gymnasium env (reset + steps)."""
+    def start(i: int, r: dict):
+        env.reset(seed=SEED, options={"task": r["task"]})
+        return env.step
+    return _replay(recs, seconds, start)
+
+
 def time_replay_controller(recs: list[dict], seconds: float, precompiled: bool) -> dict:
     """The same replay on a bare EnvController.
 
-    precompiled=False mirrors the gym env's work on a task switch (compile the task, new controller, reset);
+    precompiled=False mirrors a task switch without a cache (compile the task, new controller, reset);
     precompiled=True keeps one controller per task and only resets it (the floor for reset cost).
     """
     ctrls = [EnvController(Compiled(r["task"])) for r in recs] if precompiled else None
-    steps = episodes = 0
-    reset_time = 0.0
-    t0 = perf()
-    while True:
-        for i, r in enumerate(recs):
-            tr = perf()
-            if precompiled:
-                ctrl = ctrls[i]
-            else:
-                ctrl = EnvController(Compiled(r["task"]))
-            ctrl.reset()
-            reset_time += perf() - tr
-            cstep = ctrl.step
-            for a in r["actions"]:
-                cstep(a)
-            steps += len(r["actions"])
-            episodes += 1
-        elapsed = perf() - t0
-        if elapsed >= seconds:
-            break
-    return {"steps": steps, "episodes": episodes, "elapsed_s": elapsed, "steps_per_s": steps / elapsed,
-            "episodes_per_s": episodes / elapsed, "reset_time_fraction": reset_time / elapsed}
+
+    def start(i: int, r: dict):
+        ctrl = ctrls[i] if precompiled else EnvController(Compiled(r["task"]))
+        ctrl.reset()
+        return ctrl.step
+    return _replay(recs, seconds, start)
 
 
 # ----------------------------------------------------------------------------- random actions
