@@ -161,7 +161,6 @@ class Draft:
     on_map: set[str]            # item ids the map shows (with a last-known position)
     off_map: set[str]           # item ids the map must not show
     target: str | None = None   # main object
-    device: str | None = None
 
 
 _STATE_WORDS = {"on": ("on", "off"), "open": ("open", "closed")}
@@ -245,7 +244,7 @@ def sample_instruction(scene: ScenePack, env: dict, rng: random.Random, kind: st
                      [_sg(0, f"turn on the {f['name']}", {"kind": "object_state", "object": f["id"],
                                                           "field": "on", "value": True})],
                      [{"kind": "object_state", "object": f["id"], "field": "on", "value": True}],
-                     on_map=set(), off_map=set(), device=f["id"])
+                     on_map=set(), off_map=set())
     if kind == "ask_person":
         facts = [f for f in scene.facts if f.holders]
         if not facts:
@@ -319,7 +318,7 @@ def sample_instruction(scene: ScenePack, env: dict, rng: random.Random, kind: st
         text = first.text.rstrip(".") + ", then " + second.text[0].lower() + second.text[1:]
         return Draft(kind, text, first.goal + second.goal, sgs, first.success + second.success,
                      on_map=first.on_map | second.on_map, off_map=first.off_map | second.off_map,
-                     target=first.target, device=second.device)
+                     target=first.target)
     raise ValueError(f"unknown instruction kind {kind!r}")
 
 

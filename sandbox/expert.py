@@ -12,6 +12,7 @@ honest yardstick for the teacher.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from sandbox.controller import EnvController, StepResult
@@ -459,7 +460,6 @@ class ExpertPlanner:
 
     def _first_obstacle(self, place: str):
         """The first known obstacle on the known route that crosses the fewest obstacles."""
-        import heapq
         k, w = self.k, self.ctrl.w
         start = k.here
         best = {start: 0}
