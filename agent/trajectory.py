@@ -11,6 +11,28 @@ from typing import Iterable, Iterator
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class TurnState(BaseModel):
+    """What the environment recorded after a turn: the agent's place and holdings, and the facts its belief
+    gained this turn (`seen:ID`, `inspected:ID`, `locked:ID`, `told:FACT`, ...). Judges check temporal
+    preconditions against this history instead of guessing from text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    place: str
+    holding: list[str] = Field(default_factory=list)
+    learned: list[str] = Field(default_factory=list)
+
+
+class SubgoalInfo(BaseModel):
+    """A subgoal as the judge sees it: id, description and predicate kind (observed, reported, ...)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    description: str
+    kind: str
+
+
 class Turn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -25,6 +47,7 @@ class Turn(BaseModel):
     state_key: str
     subgoals_met: list[str] = Field(default_factory=list)
     human_reply: str | None = None
+    state: TurnState | None = None
 
 
 class Trajectory(BaseModel):
@@ -43,6 +66,8 @@ class Trajectory(BaseModel):
     terminated: bool = False
     truncated: bool = False
     subgoals_total: int = 0
+    subgoals: list[SubgoalInfo] = Field(default_factory=list)
+    initial_subgoals_met: list[str] = Field(default_factory=list)   # already true in the initial state
     subgoals_met: int = 0
     optimal_steps: int = 0
     final_answer: str | None = None
@@ -82,3 +107,28 @@ def write_json(path: str | Path, obj) -> None:
         json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")
     os.replace(tmp, path)
+
+
+def read_jsonl_lenient(path: str | Path, model: type[BaseModel]) -> tuple[list[tuple[int, BaseModel]], list[dict]]:
+    """Read every valid line; collect each bad one as {"line", "error"} naming the field, instead of stopping.
+    Returns ([(line number, row)], [errors])."""
+    from pydantic import ValidationError
+    rows, errors = [], []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((i, model.model_validate_json(line)))
+            except ValidationError as e:
+                if e.errors()[0]["type"] == "json_invalid":
+                    errors.append({"line": i, "error": f"not JSON: {e.errors()[0]['msg'][:120]}"})
+                    continue
+                parts = []
+                for x in e.errors()[:3]:
+                    where = ".".join(str(p) for p in x["loc"]) or "(line)"
+                    parts.append(f"{where}: {x['msg']}")
+                errors.append({"line": i, "error": "; ".join(parts)})
+            except ValueError as e:
+                errors.append({"line": i, "error": f"not JSON: {str(e)[:120]}"})
+    return rows, errors

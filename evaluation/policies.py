@@ -1,10 +1,15 @@
-"""Policies that act in the sandbox through the same interface as a model: the expert (teacher role,
-belief only) and a seeded random policy (a floor for every metric)."""
+"""Policies that act in the sandbox: the expert (teacher role, belief only), a seeded random policy (a floor
+for every metric), and `ModelPolicy`, which runs any `agent.models.ChatModel` through the shared prompt
+builder and parser (the same prompt a student sees in SFT data and RL)."""
 
 from __future__ import annotations
 
 import random
 
+from agent.models import ChatModel
+from agent.parser import ToolCall
+from agent.prompt import StepMemory, build_step_messages
+from agent.tools import tool_definitions
 from sandbox.expert import ExpertPlanner
 from sandbox.gym_env import SandboxEnv
 from sandbox.skills import SKILLS
@@ -58,6 +63,58 @@ class RandomPolicy:
 
     def observe(self, call, result_info: dict, observation: str) -> None:
         pass
+
+
+class ModelPolicy:
+    """A chat model as a policy. Each step's prompt is `agent.prompt.build_step_messages` (instruction, the
+    agent's known map, a memory of recent steps, the observation) with `agent.tools.tool_definitions()`;
+    the reply is read by the shared parser. `act` returns (reasoning, tool-call dict) when the reply holds a
+    readable call, else (reasoning, the raw text), which the env turns into a `parse_error` observation.
+
+    `last_prompt` (the messages) and `last_raw` (the model's text, OpenAI tool calls rendered as
+    `<tool_call>` markup) are kept for the caller to record. Sampling is seeded per step from the episode
+    seed, so an episode replays. A `ModelError` (the endpoint failed after its retries) propagates: an
+    infrastructure failure must not be scored as the model's invalid action.
+    """
+
+    def __init__(self, client: ChatModel, name: str | None = None, memory_size: int = 4):
+        if memory_size < 0:
+            raise ValueError(f"ModelPolicy: memory_size must be >= 0, not {memory_size}")
+        self.client = client
+        self.name = name or getattr(client, "name", None) or type(client).__name__
+        self.memory_size = memory_size
+        self.memory = StepMemory(size=memory_size)
+        self.seed = 0
+        self.last_prompt: list[dict] = []
+        self.last_raw = ""
+        self.last_reply = None
+
+    def reset(self, env: SandboxEnv, seed: int) -> None:
+        self.memory = StepMemory(size=self.memory_size)
+        self.seed = seed
+        self.last_prompt, self.last_raw, self.last_reply = [], "", None
+        if hasattr(self.client, "reset") and getattr(self.client, "env", None) is env:
+            self.client.reset()  # a client bound to this env (the scripted expert) starts the episode afresh
+
+    def act(self, env: SandboxEnv, observation: str) -> tuple[str, dict | str]:
+        from agent.clients import tool_call_text
+        from agent.models import ChatReply
+
+        task, step = env.task, env.ctrl.steps
+        messages = build_step_messages(task.instruction, env.known(), self.memory, observation, step,
+                                       task.step_budget)
+        reply = self.client.chat(messages, tools=tool_definitions(), seed=(self.seed * 1_000_003 + step) % 2**31)
+        self.last_prompt, self.last_reply = messages, reply
+        self.last_raw = tool_call_text(reply)
+        parsed = reply.action()
+        if isinstance(parsed, ToolCall):
+            return parsed.reasoning, parsed.as_dict()
+        # the text the env must fail on exactly as the parser did: the content, or the first tool call
+        unreadable = reply.text if not reply.tool_calls else tool_call_text(ChatReply("", reply.tool_calls[:1]))
+        return parsed.reasoning, unreadable
+
+    def observe(self, call, result_info: dict, observation: str) -> None:
+        self.memory.add(call if isinstance(call, dict) else None, result_info["error"], observation)
 
 
 POLICIES = {"expert": ExpertPolicy, "random": RandomPolicy}

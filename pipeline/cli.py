@@ -55,6 +55,36 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
                            for d in ("easy", "medium", "hard", "all")}))
 
 
+@app.command()
+def judge(trajectories: Path = typer.Option(..., "--trajectories", help="trajectory JSONL (agent.trajectory)"),
+          out: Path = typer.Option(..., "--out", help="output folder: verdicts.jsonl, summary.json, prompt.json"),
+          backend: str = typer.Option("rule", help="rule (offline, deterministic) | openai (any OpenAI-compatible "
+                                                   "endpoint)"),
+          model: Optional[str] = typer.Option(None, help="model name for --backend openai"),
+          base_url: Optional[str] = typer.Option(None, help="endpoint for --backend openai, e.g. a vLLM server"),
+          api_key_env: str = typer.Option("OPENAI_API_KEY", help="environment variable that holds the key"),
+          prompt: Optional[Path] = typer.Option(None, help="reward prompt snapshot JSON (default: embedded v1)"),
+          cache: Optional[Path] = typer.Option(None, help="verdict cache JSONL (default: OUT/cache.jsonl)"),
+          quiet: bool = typer.Option(False, help="no progress bar")):
+    """Judge trajectories: turn verdicts and episode scores as JSONL, plus DIR/summary.json."""
+    from pipeline.stages import run_judge
+    if backend not in ("rule", "openai"):
+        _fail(f"--backend must be rule or openai, not {backend!r}")
+    if backend == "openai" and not model:
+        _fail("--backend openai needs --model")
+    if not trajectories.is_file():
+        _fail(f"--trajectories {trajectories}: no such file")
+    try:
+        s = run_judge(trajectories, out, backend=backend, model=model, base_url=base_url, api_key_env=api_key_env,
+                      prompt_path=prompt, cache_path=cache, show_progress=not quiet)
+    except (RecipeError, ValueError) as e:
+        _fail(str(e))
+    typer.echo(json.dumps({k: s[k] for k in ("trajectories", "mean_episode_score", "labels", "judge_error",
+                                             "bad_lines")}))
+    for b in s["bad_line_errors"]:
+        typer.echo(f"warning: {trajectories}:{b['line']}: {b['error']}", err=True)
+
+
 def main() -> None:  # pragma: no cover
     app()
 

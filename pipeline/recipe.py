@@ -6,8 +6,9 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from agent.clients import ClientSpec
 from sandbox.scenes import scene_ids
 
 
@@ -24,6 +25,21 @@ class SandboxSection(_Strict):
     budget_slack: int = Field(default=16, ge=0, le=200)
     max_budget: int = Field(default=150, ge=5, le=500)
     max_attempts: int = Field(default=10, ge=1, le=100)
+    # who writes the task variants: the procedural builder, or a model (same validation, bounded retries)
+    builder: Literal["procedural", "llm"] = "procedural"
+    builder_model: ClientSpec | None = None
+    builder_attempts: int = Field(default=3, ge=1, le=20)
+    # how people word their replies: the rule persona, or a model (the rules still decide what happens)
+    persona: Literal["rule", "llm"] = "rule"
+    persona_model: ClientSpec | None = None
+
+    @model_validator(mode="after")
+    def _models(self):
+        if self.builder == "llm" and self.builder_model is None:
+            raise ValueError("builder: llm needs builder_model (kind, model, base_url, ...)")
+        if self.persona == "llm" and self.persona_model is None:
+            raise ValueError("persona: llm needs persona_model (kind, model, base_url, ...)")
+        return self
 
     @field_validator("scenes")
     @classmethod
@@ -46,11 +62,27 @@ class EvalSection(_Strict):
     seed: int = 0
 
 
+class JudgeSection(_Strict):
+    """The reward engine: the rule-program backend (offline default) or an LLM judge through a client."""
+
+    backend: Literal["rule", "llm"] = "rule"
+    model: ClientSpec | None = None
+    prompt: str | None = None          # a reward-prompt snapshot JSON; default: the embedded v1
+    max_repairs: int = Field(default=2, ge=0, le=10)
+
+    @model_validator(mode="after")
+    def _model(self):
+        if self.backend == "llm" and self.model is None:
+            raise ValueError("backend: llm needs model (kind, model, base_url, ...)")
+        return self
+
+
 class Recipe(_Strict):
     name: str
     seed: int = 0
     sandbox: SandboxSection = Field(default_factory=SandboxSection)
     eval: EvalSection = Field(default_factory=EvalSection)
+    judge: JudgeSection = Field(default_factory=JudgeSection)
 
 
 class RecipeError(ValueError):

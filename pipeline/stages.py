@@ -29,13 +29,21 @@ def build_tasks(recipe: Recipe, show_progress: bool = True) -> tuple[dict[str, l
     stats = BuildStats()
     n_train = recipe.sandbox.train_instructions_per_scene
     n_test = recipe.sandbox.test_instructions_per_scene
+    make = None
+    if recipe.sandbox.builder == "llm":
+        from agent.clients import make_client
+        from sandbox.llm_builder import LLMBuilder
+        client = make_client(recipe.sandbox.builder_model)
+
+        def make(scene, cfg, stats):
+            return LLMBuilder(client, cfg, [scene], max_attempts=recipe.sandbox.builder_attempts, stats=stats)
     bar = tqdm(total=len(scenes) * (n_train + n_test), desc="build tasks", unit="instr", disable=not show_progress)
     train = build_split(scenes, "train", n_train, cfg, stats, difficulties=recipe.sandbox.difficulties,
-                        progress=bar.update)
+                        progress=bar.update, make_builder=make)
     texts = {t.instruction for t in train}
     layouts = {t.layout_id for t in train}
     test = build_split(scenes, "test", n_test, cfg, stats, forbidden_texts=texts, forbidden_layouts=layouts,
-                       difficulties=recipe.sandbox.difficulties, progress=bar.update)
+                       difficulties=recipe.sandbox.difficulties, progress=bar.update, make_builder=make)
     bar.close()
     return {"train": train, "test": test}, stats.to_json()
 
@@ -73,6 +81,16 @@ def load_tasks(folder: Path, split: str) -> list[TaskInstance]:
     return sorted(tasks, key=lambda t: (order[t.difficulty], t.id))
 
 
+def human_factory(recipe: Recipe):
+    """The recipe's persona mode: None (rule persona) or a factory of LLM-worded personas sharing one cache."""
+    if recipe.sandbox.persona != "llm":
+        return None
+    from agent.clients import make_client
+    from sandbox.llm_persona import LLMHumanAgent
+    client, cache = make_client(recipe.sandbox.persona_model), {}
+    return lambda compiled: LLMHumanAgent(compiled, client, cache=cache)
+
+
 def run_eval(recipe: Recipe, policy: str, split: str, out: Path, tasks_dir: Path | None = None,
              show_progress: bool = True) -> dict:
     from evaluation.sandbox_eval import evaluate
@@ -81,7 +99,8 @@ def run_eval(recipe: Recipe, policy: str, split: str, out: Path, tasks_dir: Path
     else:
         tasks = build_tasks(recipe, show_progress)[0][split]
     bar = tqdm(total=len(tasks), desc=f"eval {policy} on {split}", unit="ep", disable=not show_progress)
-    metrics, trajs = evaluate(tasks, policy, seed=recipe.eval.seed, progress=bar.update)
+    metrics, trajs = evaluate(tasks, policy, seed=recipe.eval.seed, progress=bar.update,
+                              human_factory=human_factory(recipe))
     bar.close()
     metrics["policy"], metrics["split"] = policy, split
     write_jsonl(out / "trajectories.jsonl", trajs)
@@ -91,3 +110,52 @@ def run_eval(recipe: Recipe, policy: str, split: str, out: Path, tasks_dir: Path
                                        "tasks_sha256": hashlib.sha256(json.dumps(
                                            [t.id for t in tasks]).encode()).hexdigest()[:16]})
     return metrics
+
+
+def make_reward_engine(recipe: Recipe, cache_path: Path | None = None):
+    """The recipe's reward engine (distillation filter and RL rewards call this)."""
+    from reward_engine.judge import LLMBackend, RewardEngine, RuleBackend, VerdictCache
+    from reward_engine.prompt import default_prompt, load_prompt
+    j = recipe.judge
+    prompt = load_prompt(j.prompt) if j.prompt else default_prompt()
+    if j.backend == "llm":
+        from agent.clients import make_client
+        backend = LLMBackend(make_client(j.model), max_repairs=j.max_repairs, seed=recipe.seed)
+    else:
+        backend = RuleBackend()
+    return RewardEngine(prompt, backend, VerdictCache(cache_path))
+
+
+def run_judge(trajectories: Path, out: Path, backend: str = "rule", model: str | None = None,
+              base_url: str | None = None, api_key_env: str = "OPENAI_API_KEY", prompt_path: Path | None = None,
+              cache_path: Path | None = None, show_progress: bool = True) -> dict:
+    """Judge a trajectory file: bad lines are reported by line and field and skipped; the rest are judged."""
+    from agent.trajectory import Trajectory, read_jsonl_lenient
+    from reward_engine.judge import LLMBackend, RewardEngine, RuleBackend, VerdictCache, summarize
+    from reward_engine.prompt import PromptStore, default_prompt, load_prompt
+    rows, bad = read_jsonl_lenient(trajectories, Trajectory)
+    prompt = load_prompt(prompt_path) if prompt_path else default_prompt()
+    if backend == "rule":
+        be = RuleBackend()
+    else:
+        from agent.clients import OpenAIClient
+        be = LLMBackend(OpenAIClient(model, base_url=base_url, api_key_env=api_key_env))
+    engine = RewardEngine(prompt, be, VerdictCache(cache_path or out / "cache.jsonl"))
+    bar = tqdm(total=len(rows), desc=f"judge ({be.id})", unit="traj", disable=not show_progress)
+    verdicts = []
+    for _, traj in rows:
+        verdicts.append(engine.score(traj))
+        bar.update(1)
+    bar.close()
+    write_jsonl(out / "verdicts.jsonl", verdicts)
+    summary = summarize(verdicts, bad)
+    summary["cache"] = {"hits": engine.cache.hits, "misses": engine.cache.misses}
+    if isinstance(be, LLMBackend):
+        summary["llm"] = dict(be.stats)
+    write_json(out / "summary.json", summary)
+    PromptStore(out / "prompts").save(prompt)
+    write_json(out / "manifest.json", {"stage": "judge", "trajectories": str(trajectories), "backend": be.id,
+                                       "prompt_version": prompt.version, "prompt_hash": prompt.content_hash(),
+                                       "trajectories_sha256": hashlib.sha256(Path(trajectories).read_bytes())
+                                       .hexdigest()[:16]})
+    return summary

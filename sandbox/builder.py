@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from sandbox.controller import EnvController
 from sandbox.expert import solve
 from sandbox.schema import (
-    DIFFICULTIES, FailureTrigger, GoalStep, ObjectRef, ScenePack, Subgoal, TaskInstance,
+    DIFFICULTIES, FailureTrigger, GoalStep, ObjectRef, SceneConnection, ScenePack, Subgoal, TaskInstance,
 )
 from sandbox.world import Compiled, World
 
@@ -80,6 +80,13 @@ def _slug(s: str) -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in s.lower()).strip("_")
 
 
+def scene_connection_id(scene: ScenePack, sc: SceneConnection) -> str:
+    """The id a scene connection gets in every layout (BabyAI doors carry their colour)."""
+    if scene.vocabulary == "babyai" and sc.color:
+        return f"{_slug(sc.color)}_{sc.kind}_{sc.a}_{sc.b}"
+    return f"{sc.kind}_{sc.a}_{sc.b}"
+
+
 def sample_layout(scene: ScenePack, rng: random.Random) -> dict:
     """A concrete env_state dict (no obstacles yet) plus bookkeeping for the instruction sampler."""
     while True:
@@ -87,8 +94,7 @@ def sample_layout(scene: ScenePack, rng: random.Random) -> dict:
         for i, sc in enumerate(scene.connections):
             if sc.optional and rng.random() < 0.5:
                 continue
-            cid = f"{_slug(sc.color) + '_' if sc.color else ''}{sc.kind}_{sc.a}_{sc.b}" if scene.vocabulary == \
-                "babyai" else f"{sc.kind}_{sc.a}_{sc.b}"
+            cid = scene_connection_id(scene, sc)
             door = None
             if sc.kind in ("door", "gate"):
                 door = "closed" if rng.random() < 0.6 else "open"
@@ -1005,11 +1011,14 @@ class ProceduralBuilder:
 
 def build_split(scenes: list[ScenePack], split: str, n_per_scene: int, cfg: BuildConfig, stats: BuildStats,
                 forbidden_texts: set[str] = frozenset(), forbidden_layouts: set[str] = frozenset(),
-                difficulties=DIFFICULTIES, progress=None) -> list[TaskInstance]:
+                difficulties=DIFFICULTIES, progress=None, make_builder=None) -> list[TaskInstance]:
+    """`make_builder(scene, cfg, stats)` gives the InstanceBuilder per scene (default: ProceduralBuilder; the
+    LLM builder plugs in here and goes through the same validation)."""
     out: list[TaskInstance] = []
     offset = 0 if split == "train" else 1_000_003
+    make_builder = make_builder or ProceduralBuilder
     for scene in scenes:
-        b = ProceduralBuilder(scene, cfg, stats)
+        b = make_builder(scene, cfg, stats)
         for i in range(n_per_scene):
             out += b.build(cfg.seed * 7_919 + offset + i, split, forbidden_texts, forbidden_layouts, difficulties)
             if progress:

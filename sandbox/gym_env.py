@@ -28,7 +28,11 @@ class SandboxEnv(gym.Env):
     metadata = {"render_modes": ["ansi"]}
     cache_size = 4096  # compiled tasks kept per env (a split cycles through the same tasks)
 
-    def __init__(self, task: TaskInstance | dict | None = None, render_mode: str | None = None):
+    def __init__(self, task: TaskInstance | dict | None = None, render_mode: str | None = None,
+                 human_factory=None):
+        # human_factory(compiled) -> HumanAgent: who answers the agent (default: the rule persona); the
+        # LLM-worded persona (sandbox.llm_persona) plugs in here
+        self.human_factory = human_factory
         self.observation_space = spaces.Text(max_length=16_384, charset=_CHARSET)
         self.action_space = spaces.Text(max_length=4_096, charset=_CHARSET)
         self.render_mode = render_mode
@@ -36,6 +40,7 @@ class SandboxEnv(gym.Env):
         self._source: Any = None
         self.ctrl: EnvController | None = None
         self._last_obs = ""
+        self.last_result: StepResult | None = None  # the controller's result of the last step (None after reset)
         self._cache: dict[int, tuple] = {}
         self._pending_seed: int | None = None   # id(task) -> (task, Compiled, EnvController)
         if task is not None:
@@ -57,11 +62,15 @@ class SandboxEnv(gym.Env):
             raise TypeError(f"options['task'] must be a TaskInstance or a dict, not {type(task).__name__}")
         self._compiled = Compiled(task_obj)
         self._source = task
-        self.ctrl = EnvController(self._compiled)
+        self.ctrl = self._controller(self._compiled)
         if isinstance(task, TaskInstance):
             if len(self._cache) >= self.cache_size:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[id(task)] = (task, self._compiled, self.ctrl)
+
+    def _controller(self, compiled: Compiled) -> EnvController:
+        human = self.human_factory(compiled) if self.human_factory else None
+        return EnvController(compiled, human=human)
 
     @property
     def task(self) -> TaskInstance:
@@ -90,8 +99,9 @@ class SandboxEnv(gym.Env):
         if self._compiled is None:
             raise ValueError("SandboxEnv.reset needs options={'task': TaskInstance or dict} the first time")
         if self.ctrl is None or self.ctrl.compiled is not self._compiled:
-            self.ctrl = EnvController(self._compiled)
+            self.ctrl = self._controller(self._compiled)
         self._last_obs = self.ctrl.reset()
+        self.last_result = None
         info = {"state_key": self.ctrl.state_key(), "error": None, "subgoals_met": [], "success": False,
                 "steps": 0}
         return self._last_obs, info
@@ -115,6 +125,7 @@ class SandboxEnv(gym.Env):
             else:
                 res = ctrl.step(parsed.as_dict())
         self._last_obs = res.observation
+        self.last_result = res
         terminated = ctrl.done
         truncated = not terminated and ctrl.steps >= self._compiled.task.step_budget
         reward = 1.0 if (terminated and ctrl.success) else 0.0

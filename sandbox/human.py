@@ -2,8 +2,8 @@
 
 The default is rule-driven and deterministic: a persona's capabilities, knowledge and assistance policy
 (state a reason, only once, only if nearby, busy until asked again) decide the reply and the effect. The
-LLM-backed persona (reward-engine-core issue) plugs in by subclassing and overriding `phrase`, keeping the
-same effects so the world stays consistent.
+LLM-backed persona (`sandbox.llm_persona`) plugs in by subclassing and overriding `phrase` and
+`knowledge_text`, keeping the same effects so the world stays consistent.
 """
 
 from __future__ import annotations
@@ -91,6 +91,10 @@ class HumanAgent:
         loose = [(len(_norm(n)), key) for key, n in names if _norm(n) and (q in _norm(n) or _norm(n) in q)]
         return min(loose)[1] if loose else None
 
+    def knowledge_text(self, person: str, key: str) -> str:
+        """How the person words one piece of knowledge (the LLM persona rewords it, keeping what matters)."""
+        return self.c.persona[person].knowledge[key]
+
     def tell(self, ctrl: "EnvController", person: str, key: str) -> "StepResult":
         """Share one piece of knowledge; what it reveals enters the agent's belief."""
         persona = self.c.persona[person]
@@ -114,8 +118,9 @@ class HumanAgent:
         if key in self.c.fact:
             w.learned.add("told:" + key)
         w.learned.add(f"asked:{person}:{key}")
-        w.notes[key] = f"{self.c.person[person].name}: {persona.knowledge[key]}"
-        return self._say(ctrl, person, persona.knowledge[key])
+        text = self.knowledge_text(person, key)
+        w.notes[key] = f"{self.c.person[person].name}: {text}"
+        return self._say(ctrl, person, text)
 
     def talk(self, ctrl: "EnvController", person: str, topic: str, message: str) -> "StepResult":
         busy = self._busy(ctrl, person)
