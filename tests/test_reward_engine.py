@@ -14,8 +14,8 @@ from evaluation.sandbox_eval import evaluate, run_episode
 from reward_engine.judge import LLMBackend, RewardEngine, VerdictCache, summarize, turn_content_hashes
 from reward_engine.prompt import PromptStore, RewardPrompt, default_prompt, load_prompt
 from sandbox.gym_env import SandboxEnv
-from tests.conftest import ROOT
-from tests.fake_openai import Delay, FakeOpenAI, Garbage, Reply, Status
+from conftest import ROOT
+from fake_openai import Delay, FakeOpenAI, Garbage, Reply, Status
 
 REASON = "the storage door is locked and I need to get the key room open"
 
