@@ -60,11 +60,39 @@ def parse_text(text: str) -> ToolCall | ParseError:
     if not m:
         return ParseError("no <tool_call> block in the output", reasoning=reasoning)
     body = m.group(1).strip()
+    if body and not body.startswith("{"):
+        return parse_compact(body, reasoning)
     try:
         obj = json.loads(body)
     except (ValueError, RecursionError):  # JSONDecodeError, and ints past the digit limit
         return ParseError("the <tool_call> block is not valid JSON", reasoning=reasoning)
     return _from_obj(obj, reasoning)
+
+
+def parse_compact(body: str, reasoning: str = "") -> ToolCall | ParseError:
+    """The compact form a tiny student's chat template renders: `navigate kitchen`,
+    `ask_for_help alice|unlock|door_1|the door is locked` (arguments in the skill's parameter order)."""
+    from sandbox.skills import SKILLS
+    name, _, rest = body.partition(" ")
+    skill = SKILLS.get(name)
+    if skill is None:
+        return ParseError(f"there is no skill called {name[:40]!r}", code="parse_error", reasoning=reasoning) \
+            if not name.isidentifier() else ToolCall(name=name, arguments={}, reasoning=reasoning)
+    values = [v.strip() for v in rest.split("|")] if rest.strip() else []
+    if len(values) > len(skill.params):
+        return ParseError(f"{name} takes at most {len(skill.params)} arguments", reasoning=reasoning)
+    return ToolCall(name=name, arguments={p.name: v for p, v in zip(skill.params, values, strict=False)},
+                    reasoning=reasoning)
+
+
+def render_compact(name: str, arguments: dict) -> str:
+    """Inverse of `parse_compact` for calls whose arguments follow the skill's parameters."""
+    from sandbox.skills import SKILLS
+    skill = SKILLS.get(name)
+    if skill is None:
+        return name
+    vals = [str(arguments[p.name]) for p in skill.params if arguments.get(p.name) is not None]
+    return name + (" " + "|".join(vals) if vals else "")
 
 
 def parse_action(action: Any) -> ToolCall | ParseError:

@@ -35,15 +35,16 @@ def build(recipe: Path = typer.Argument(..., help="recipe YAML"),
 
 @app.command("eval")
 def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
-             policy: str = typer.Option("expert", help="expert | random"),
+             policy: str = typer.Option("expert", help="expert | random | PATH (a model folder, e.g. "
+                                                       "outputs/tiny/sft/final)"),
              split: str = typer.Option("test", help="train | test"),
              out: Path = typer.Option(..., "--out", help="output folder for metrics.json"),
              tasks: Optional[Path] = typer.Option(None, help="folder written by `embodistill build` (else built)"),
              quiet: bool = typer.Option(False, help="no progress bar")):
     """Run a policy on a split and write metrics.json (TSR, GCR, steps, invalid-action rate per difficulty)."""
     from pipeline.stages import run_eval
-    if policy not in ("expert", "random"):
-        _fail(f"--policy must be expert or random, not {policy!r}")
+    if policy not in ("expert", "random") and not (Path(policy) / "config.json").is_file():
+        _fail(f"--policy must be expert, random or a model folder with config.json, not {policy!r}")
     if split not in ("train", "test"):
         _fail(f"--split must be train or test, not {split!r}")
     try:
@@ -83,6 +84,23 @@ def judge(trajectories: Path = typer.Option(..., "--trajectories", help="traject
                                              "bad_lines")}))
     for b in s["bad_line_errors"]:
         typer.echo(f"warning: {trajectories}:{b['line']}: {b['error']}", err=True)
+
+
+@app.command()
+def sft(recipe: Path = typer.Argument(..., help="recipe YAML"),
+        dataset: Optional[Path] = typer.Option(None, help="dataset folder (default outputs/<recipe>/distill/dataset)"),
+        out: Optional[Path] = typer.Option(None, "--out", help="output folder (default outputs/<recipe>/sft)"),
+        quiet: bool = typer.Option(False, help="no progress bar")):
+    """Train the recipe's student with TRL SFT (assistant-only loss); resumes from the last checkpoint."""
+    from pipeline.stages import run_sft_stage
+    try:
+        r = load_recipe(recipe)
+        ds = dataset or Path("outputs") / r.name / "distill" / "dataset"
+        m = run_sft_stage(r, ds, out or Path("outputs") / r.name / "sft", show_progress=not quiet)
+    except (RecipeError, FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    typer.echo(json.dumps({k: m[k] for k in ("train_samples", "params", "steps", "train_loss", "eval_loss",
+                                             "final")}))
 
 
 def main() -> None:  # pragma: no cover

@@ -9,6 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agent.clients import ClientSpec
+from sft.train import SFTSection
 from sandbox.scenes import scene_ids
 
 
@@ -77,12 +78,31 @@ class JudgeSection(_Strict):
         return self
 
 
+class DistillSection(_Strict):
+    """Teacher rollouts on the train split, the judge filter, and the SFT dataset (`distill/`)."""
+
+    # "expert": the embedded scripted teacher (belief only); or any chat model through a client spec
+    teacher: Literal["expert"] | ClientSpec = "expert"
+    concurrency: int = Field(default=8, ge=1, le=1024)          # episodes at once (API teachers only)
+    tasks_per_difficulty: int | None = Field(default=None, ge=1)  # the first N train tasks per difficulty
+    # the filter: a trajectory is kept iff it succeeded, the judge had no error, and all of these hold
+    min_episode_score: float = Field(default=0.6, ge=0.0, le=1.0)
+    max_bad_turn_share: float = Field(default=0.1, ge=0.0, le=1.0)   # turns labelled inconsistent/unsafe/malformed
+    max_loop_share: float = Field(default=0.25, ge=0.0, le=1.0)      # turns labelled redundant (loops, repeats)
+    validation_fraction: float = Field(default=0.05, gt=0.0, lt=1.0)  # of instructions (whole instructions)
+    sample_format: Literal["step", "conversation"] = "step"  # the config SFT trains on (both are written)
+    license: str = Field(default="apache-2.0", pattern=r"^[a-z0-9][a-z0-9.\-]*$")
+    pretty_name: str | None = None   # the dataset card's title (default: "embodistill <recipe name>")
+
+
 class Recipe(_Strict):
     name: str
     seed: int = 0
     sandbox: SandboxSection = Field(default_factory=SandboxSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     judge: JudgeSection = Field(default_factory=JudgeSection)
+    distill: DistillSection = Field(default_factory=DistillSection)
+    sft: SFTSection = Field(default_factory=SFTSection)
 
 
 class RecipeError(ValueError):

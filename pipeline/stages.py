@@ -159,3 +159,10 @@ def run_judge(trajectories: Path, out: Path, backend: str = "rule", model: str |
                                        "trajectories_sha256": hashlib.sha256(Path(trajectories).read_bytes())
                                        .hexdigest()[:16]})
     return summary
+
+
+def run_sft_stage(recipe: Recipe, dataset_dir: Path, out: Path, show_progress: bool = True) -> dict:
+    """SFT of the recipe's student on the distilled dataset (`recipe.distill.sample_format` picks the config)."""
+    from sft.train import run_sft
+    return run_sft(recipe.sft, dataset_dir, out, seed=recipe.seed, show_progress=show_progress,
+                   config=recipe.distill.sample_format)

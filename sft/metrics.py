@@ -1,0 +1,69 @@
+"""Student metrics beyond the sandbox rollouts: teacher-forced next-action exact match on held-out steps, and
+the compositional test split (target attribute combinations never targeted in training)."""
+
+from __future__ import annotations
+
+import json
+
+from agent.parser import ToolCall, parse_action
+from sandbox.controller import norm
+from sandbox.schema import TaskInstance
+
+
+def _target_call(row: dict) -> dict:
+    fn = row["messages"][-1]["tool_calls"][0]["function"]
+    args = fn["arguments"]
+    if isinstance(args, str):
+        args = json.loads(args)
+    return {"name": fn["name"], "arguments": {k: v for k, v in (args or {}).items() if v is not None}}
+
+
+def same_call(pred: dict, gold: dict, free_text: tuple[str, ...] = ("message", "reason", "summary")) -> bool:
+    """Same skill and same arguments; free-text arguments (message, reason, summary) are not compared."""
+    if pred["name"] != gold["name"]:
+        return False
+    keys = (set(pred["arguments"]) | set(gold["arguments"])) - set(free_text)
+    return all(norm(str(pred["arguments"].get(k, ""))) == norm(str(gold["arguments"].get(k, ""))) for k in keys)
+
+
+def next_action_exact_match(client, rows, batch_size: int = 32) -> dict:
+    """Teacher forcing: the student sees each held-out step's prompt (the teacher's history) and predicts the
+    next call; the share whose skill and arguments equal the teacher's, and the share that parse at all."""
+    rows = list(rows)
+    hits = parsed_ok = skill_hits = 0
+    for lo in range(0, len(rows), batch_size):
+        chunk = rows[lo: lo + batch_size]
+        prompts = [[m for m in r["messages"][:-1]] for r in chunk]
+        replies = client.chat_many(prompts, seed=0)
+        for r, reply in zip(chunk, replies, strict=True):
+            if isinstance(reply, Exception):
+                raise reply
+            p = parse_action(reply.text) if not reply.tool_calls else reply.action()
+            if not isinstance(p, ToolCall):
+                continue
+            parsed_ok += 1
+            gold = _target_call(r)
+            skill_hits += p.name == gold["name"]
+            hits += same_call(p.as_dict(), gold)
+    n = max(len(rows), 1)
+    return {"steps": len(rows), "exact_match": round(hits / n, 4), "skill_match": round(skill_hits / n, 4),
+            "parse_rate": round(parsed_ok / n, 4)}
+
+
+def target_combos(task: TaskInstance) -> set[tuple[str, str | None]]:
+    return {(g.object.type, g.object.color) for g in task.goal if g.object is not None}
+
+
+def compositional_split(train: list[TaskInstance], test: list[TaskInstance]) -> list[TaskInstance]:
+    """Test tasks whose every target (type, colour) combination was never a target in training, although the
+    type and the colour each were (so the words are known and only the combination is new)."""
+    seen = set().union(*(target_combos(t) for t in train)) if train else set()
+    types = {c[0] for c in seen}
+    colors = {c[1] for c in seen if c[1]}
+    out = []
+    for t in test:
+        combos = target_combos(t)
+        if combos and all(c not in seen and c[0] in types and (c[1] is None or c[1] in colors) for c in combos) \
+                and any(c[1] for c in combos):
+            out.append(t)
+    return out
