@@ -32,7 +32,9 @@ class StepMemory:
         else:
             args = ", ".join(f"{v}" for v in (call.get("arguments") or {}).values() if isinstance(v, str))
             text = f"{call.get('name')}({args[:80]})"
-        result = ("ok" if error is None else error) + ": " + observation[:90]
+        # what a step found lives on in the known map and facts; the memory keeps the gist: its first sentence
+        first = observation.split(". ", 1)[0]
+        result = ("ok" if error is None else error) + ": " + (first if len(first) <= 90 else first[:87] + "...")
         self.steps.append((text, result))
         del self.steps[: -self.size]
 
@@ -43,16 +45,21 @@ def _place(pid: str, name: str, landmarks: list[str]) -> str:
 
 
 def render_known(known: dict) -> str:
-    """The known map, compactly: places with their landmarks, links (door ids and states), objects, people."""
+    """The known map, compactly: places with their landmarks, doors (ids and states), objects (with the place of
+    the landmark they are on or in), people."""
     marks = known.get("landmarks", {})
     lines = [f"At: {known['place']}. Holding: {', '.join(known['holding']) or 'nothing'}.",
              "Places: " + ", ".join(_place(pid, name, marks.get(pid, [])) for pid, name in known["places"])]
-    links = []
-    for cid, a, b, door in known["connections"]:
-        links.append(f"{a}-{b} ({cid}{' ' + door if door else ''})" if door else f"{a}-{b}")
-    lines.append("Links: " + ", ".join(links))
+    # doors only: plain passages need no id and no action (navigate finds routes), and each place's exits are
+    # in the observation when the agent stands there
+    doors = [f"{a}-{b} ({cid} {door})" for cid, a, b, door in known["connections"] if door]
+    if doors:
+        lines.append("Doors: " + ", ".join(doors))
     if known["objects"]:
-        lines.append("Objects: " + "; ".join(f"{oid} {name} @{loc}" for oid, name, loc in known["objects"]))
+        # an object on or in a landmark also names the landmark's place: where to go is one look-up, not two
+        where = {lm: pid for pid, lms in marks.items() for lm in lms}
+        lines.append("Objects: " + "; ".join(
+            f"{oid} {name} @{where[loc] + '/' if loc in where else ''}{loc}" for oid, name, loc in known["objects"]))
     if known["people"]:
         lines.append("People: " + "; ".join(f"{pid} {name}, {role} @{loc}" for pid, name, role, loc
                                              in known["people"]))

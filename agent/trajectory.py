@@ -73,11 +73,29 @@ class Trajectory(BaseModel):
     final_answer: str | None = None
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def temp_beside(path: Path, directory: bool = False) -> tuple[int | None, str]:
+    """A temp file (or folder) next to `path` for an atomic replace, with the permissions an ordinary `open`
+    (or `mkdir`) would give, not mkstemp's private 0600, so the renamed result is readable like any output."""
+    if directory:
+        tmp = tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.chmod(tmp, 0o777 & ~_umask())
+        return None, tmp
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.chmod(tmp, 0o666 & ~_umask())
+    return fd, tmp
+
+
 def write_jsonl(path: str | Path, rows: Iterable[BaseModel]) -> None:
     """Write JSONL atomically: a temp file in the same folder, then rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = temp_beside(path)
     try:
         with os.fdopen(fd, "w") as f:
             for r in rows:
@@ -102,7 +120,7 @@ def read_jsonl(path: str | Path, model: type[BaseModel]) -> Iterator[BaseModel]:
 def write_json(path: str | Path, obj) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = temp_beside(path)
     with os.fdopen(fd, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")

@@ -87,17 +87,56 @@ def judge(trajectories: Path = typer.Option(..., "--trajectories", help="traject
 
 
 @app.command()
+def distill(recipe: Path = typer.Argument(..., help="recipe YAML"),
+            out: Optional[Path] = typer.Option(None, "--out", help="output folder (default outputs/<recipe>/distill)"),
+            tasks: Optional[Path] = typer.Option(None, help="folder written by `embodistill build` (else built)"),
+            restart: bool = typer.Option(False, help="discard a partial teacher run instead of resuming it"),
+            quiet: bool = typer.Option(False, help="no progress bar")):
+    """Teacher rollouts on the train split, the judge filter, and the SFT dataset (parquet + card)."""
+    from distill.dataset import DatasetBuildError
+    from distill.teacher import TeacherError
+    from pipeline.stages import run_distill_stage
+    try:
+        r = load_recipe(recipe)
+        m = run_distill_stage(r, out or Path("outputs") / r.name / "distill", tasks, restart=restart,
+                              show_progress=not quiet)
+    except (RecipeError, TeacherError, DatasetBuildError) as e:
+        _fail(str(e))
+    typer.echo(json.dumps({k: m[k] for k in ("episodes", "kept", "rejected", "rows", "dataset")}))
+
+
+@app.command("push-dataset")
+def push_dataset_cmd(folder: Path = typer.Argument(..., help="dataset folder written by `embodistill distill`"),
+                     repo: str = typer.Option(..., "--repo", help="ORG/NAME on the Hugging Face Hub"),
+                     private: bool = typer.Option(False, help="create the repo as private"),
+                     token_env: str = typer.Option("HF_TOKEN", help="environment variable that holds the token")):
+    """Validate the dataset folder offline, then push every config and the card to the Hub."""
+    from distill.card import CardError
+    from distill.hub import PushError, push_dataset
+    try:
+        res = push_dataset(folder, repo, private=private, token_env=token_env)
+    except (CardError, PushError) as e:
+        _fail(str(e))
+    typer.echo(json.dumps(res))
+
+
+@app.command()
 def sft(recipe: Path = typer.Argument(..., help="recipe YAML"),
         dataset: Optional[Path] = typer.Option(None, help="dataset folder (default outputs/<recipe>/distill/dataset)"),
         out: Optional[Path] = typer.Option(None, "--out", help="output folder (default outputs/<recipe>/sft)"),
         quiet: bool = typer.Option(False, help="no progress bar")):
-    """Train the recipe's student with TRL SFT (assistant-only loss); resumes from the last checkpoint."""
-    from pipeline.stages import run_sft_stage
+    """Train the recipe's student with TRL SFT (assistant-only loss); resumes from the last checkpoint. Without
+    --dataset, the recipe's distillation runs first when outputs/<recipe>/distill/dataset is missing."""
+    from distill.teacher import TeacherError
+    from pipeline.stages import run_distill_stage, run_sft_stage
     try:
         r = load_recipe(recipe)
         ds = dataset or Path("outputs") / r.name / "distill" / "dataset"
+        if dataset is None and not (ds / "README.md").is_file():
+            typer.echo(f"{ds} is missing: running `embodistill distill` first", err=True)
+            run_distill_stage(r, ds.parent, show_progress=not quiet)
         m = run_sft_stage(r, ds, out or Path("outputs") / r.name / "sft", show_progress=not quiet)
-    except (RecipeError, FileNotFoundError, ValueError) as e:
+    except (RecipeError, FileNotFoundError, ValueError, TeacherError) as e:
         _fail(str(e))
     typer.echo(json.dumps({k: m[k] for k in ("train_samples", "params", "steps", "train_loss", "eval_loss",
                                              "final")}))

@@ -161,6 +161,116 @@ def run_judge(trajectories: Path, out: Path, backend: str = "rule", model: str |
     return summary
 
 
+def distill_tasks(recipe: Recipe, train: list[TaskInstance]) -> list[TaskInstance]:
+    """The train tasks the teacher plays: all, or the first `distill.tasks_per_difficulty` of each difficulty."""
+    n = recipe.distill.tasks_per_difficulty
+    if n is None:
+        return list(train)
+    picked = []
+    for diff in ("easy", "medium", "hard"):
+        picked += [t for t in train if t.difficulty == diff][:n]
+    return picked
+
+
+def run_distill_stage(recipe: Recipe, out: Path, tasks_dir: Path | None = None, restart: bool = False,
+                      show_progress: bool = True, client=None) -> dict:
+    """Teacher rollouts on the train split -> judge filter -> SFT dataset artifact (parquet + card).
+
+    Writes OUT/teacher/trajectories.jsonl (all episodes, task order), OUT/verdicts.jsonl, OUT/decisions.jsonl,
+    OUT/dataset/ (both configs, README.md card), OUT/metrics.json and OUT/manifest.json. The teacher run resumes
+    from OUT/teacher/trajectories.partial.jsonl; judging and the dataset are recomputed (they are fast and
+    deterministic), so a rerun gives the same bytes."""
+    import time
+    from collections import Counter
+
+    from distill.card import card_metadata, render_card
+    from distill.dataset import build_rows, write_artifact
+    from distill.filter import FilterThresholds, judge_and_filter, filter_stats
+    from distill.teacher import run_teacher, teacher_description, teacher_name
+    from sandbox.metrics import split_metrics
+
+    d = recipe.distill
+    t0 = time.time()
+    if tasks_dir is not None:
+        train = load_tasks(tasks_dir, "train")
+    else:
+        train = build_tasks(recipe, show_progress)[0]["train"]
+    tasks = distill_tasks(recipe, train)
+    if not tasks:
+        raise RecipeError("distill: the train split has no tasks (sandbox.train_instructions_per_scene?)")
+    persona = {"mode": recipe.sandbox.persona}
+    if recipe.sandbox.persona == "llm":
+        persona["model"] = recipe.sandbox.persona_model.model
+    t1 = time.time()
+    run = run_teacher(tasks, d.teacher, out / "teacher", recipe_seed=recipe.seed, concurrency=d.concurrency,
+                      human_factory=human_factory(recipe), persona=persona, restart=restart,
+                      show_progress=show_progress, client=client)
+    teacher_s = time.time() - t1
+    trajs = run.trajectories
+    write_jsonl(out / "teacher" / "trajectories.jsonl", trajs)
+    engine = make_reward_engine(recipe)
+    th = FilterThresholds(min_episode_score=d.min_episode_score, max_bad_turn_share=d.max_bad_turn_share,
+                          max_loop_share=d.max_loop_share)
+    bar = tqdm(total=len(trajs), desc="judge filter", unit="traj", disable=not show_progress)
+    verdicts, decisions = judge_and_filter(trajs, engine, th, progress=bar.update)
+    bar.close()
+    write_jsonl(out / "verdicts.jsonl", verdicts)
+    write_jsonl(out / "decisions.jsonl", decisions)
+    fstats = filter_stats(decisions, verdicts, th)
+    kept = [t for t, dec in zip(trajs, decisions, strict=True) if dec.kept]
+    scores = {dec.task_id: dec.episode_score for dec in decisions}
+    by_id = {t.id: t for t in tasks}
+    name = teacher_name(d.teacher)
+    rows, instructions = build_rows(kept, by_id, scores, name, d.validation_fraction, recipe.seed)
+    tm = split_metrics(trajs)
+    kept_tasks = [by_id[t.task_id] for t in kept]
+    prompt = engine.prompt
+    about = {"recipe": recipe.name, "seed": recipe.seed, "version": _version(), "tasks": len(tasks),
+             "teacher": name, "judge": {"backend": engine.backend.id, "prompt_name": prompt.name,
+                                        "prompt_version": prompt.version, "prompt_hash": prompt.content_hash()},
+             "filter": fstats, "teacher_tsr": {k: v["tsr"] for k, v in tm.items()},
+             "difficulty_mix": _counts(t.difficulty for t in kept_tasks),
+             "scenes": _counts(t.scene for t in kept_tasks), "kinds": _counts(t.kind for t in kept_tasks),
+             "instructions": instructions}
+    pretty = d.pretty_name or f"embodistill {recipe.name}"
+
+    def card_text(sizes, file_sizes):
+        meta = card_metadata(sizes, d.license, pretty, d.sample_format, file_sizes)
+        return render_card(meta, about)
+
+    sizes = write_artifact(out / "dataset", rows, card_text)
+    labels = Counter(u.label for v in verdicts for u in v.turns if u.label)
+    metrics = {"recipe": recipe.name, "teacher": name, "episodes": len(trajs), "kept": len(kept),
+               "rejected": len(trajs) - len(kept), "filter": fstats,
+               "teacher_metrics": tm, "resumed": run.resumed, "ran": run.ran, "client": run.client_stats,
+               "rows": {c: {s: v["num_examples"] for s, v in sp.items()} for c, sp in sizes.items()},
+               "instructions": {k: len(v) for k, v in instructions.items()}, "turn_labels": dict(labels),
+               "judge": about["judge"], "teacher_seconds": round(teacher_s, 2),
+               "seconds": round(time.time() - t0, 2), "dataset": str(out / "dataset")}
+    write_json(out / "metrics.json", metrics)
+    write_json(out / "manifest.json", {
+        "stage": "distill", "recipe": recipe.name, "recipe_hash": recipe_hash(recipe),
+        "teacher": teacher_description(d.teacher), "tasks_sha256": hashlib.sha256(json.dumps(
+            [t.id for t in tasks]).encode()).hexdigest()[:16], "judge_prompt_hash": prompt.content_hash(),
+        "dataset_sha256": {p: hashlib.sha256((out / "dataset" / p).read_bytes()).hexdigest()[:16]
+                           for p in sorted(str(x.relative_to(out / "dataset"))
+                                           for x in (out / "dataset").rglob("*.parquet"))}})
+    return metrics
+
+
+def _counts(items) -> dict:
+    from collections import Counter
+    return dict(sorted(Counter(items).items()))
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("embodistill")
+    except PackageNotFoundError:
+        return "0+local"
+
+
 def run_sft_stage(recipe: Recipe, dataset_dir: Path, out: Path, show_progress: bool = True) -> dict:
     """SFT of the recipe's student on the distilled dataset (`recipe.distill.sample_format` picks the config)."""
     from sft.train import run_sft

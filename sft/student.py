@@ -97,11 +97,15 @@ def corpus_texts(rows: Iterable[dict]) -> Iterable[str]:
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, reasoning: bool = False):
     """A byte-level BPE tokenizer trained on `texts`, with the chat special tokens and the tiny template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # ids stay whole words (`kitchen_counter`, `door_hallway_kitchen`, `charger_1`): copying an id from the
+    # prompt into a call is then one token to copy, and prompts are shorter than with GPT-2's split at "_"
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r" ?[A-Za-z0-9_]+| ?[^\sA-Za-z0-9_]+|\s+"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, min_frequency=2,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)

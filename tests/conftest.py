@@ -1,4 +1,5 @@
-"""Shared fixtures: one hand-made world that holds every obstacle kind, and the tiny recipe's real tasks."""
+"""Shared fixtures: one hand-made world that holds every obstacle kind, and the real tasks of `recipes/ci.yaml`
+(the tiny recipe at test size)."""
 
 from __future__ import annotations
 
@@ -155,7 +156,7 @@ def ctrl(task) -> EnvController:
 def built_tasks() -> list[TaskInstance]:
     from pipeline.recipe import load_recipe
     from pipeline.stages import build_tasks
-    splits, _ = build_tasks(load_recipe(ROOT / "recipes" / "tiny.yaml"), show_progress=False)
+    splits, _ = build_tasks(load_recipe(ROOT / "recipes" / "ci.yaml"), show_progress=False)
     return splits["train"] + splits["test"]
 
 

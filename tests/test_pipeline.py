@@ -18,13 +18,13 @@ from sandbox.expert import ExpertPlanner
 from sandbox.observation import known_map
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "recipes" / "tiny.yaml"
+CI_RECIPE = ROOT / "recipes" / "ci.yaml"  # the tiny recipe at test size
 
 
 @pytest.fixture(scope="module")
 def tiny_build(tmp_path_factory):
     out = tmp_path_factory.mktemp("build")
-    stats = write_build(load_recipe(TINY), out, show_progress=False)
+    stats = write_build(load_recipe(CI_RECIPE), out, show_progress=False)
     return out, stats
 
 
@@ -34,7 +34,7 @@ def _all_tasks(folder):
 
 def test_build_is_byte_identical(tiny_build, tmp_path):
     out, _ = tiny_build
-    write_build(load_recipe(TINY), tmp_path, show_progress=False)
+    write_build(load_recipe(CI_RECIPE), tmp_path, show_progress=False)
     files = sorted(p.name for p in out.glob("*.jsonl"))
     assert len(files) == 6
     for name in files + ["validation.json"]:
@@ -97,7 +97,7 @@ def test_teacher_meets_obstacles_and_recovers(tiny_build):
 
 def test_random_policy_does_far_worse(tiny_build, tmp_path):
     out, _ = tiny_build
-    r = load_recipe(TINY)
+    r = load_recipe(CI_RECIPE)
     expert = run_eval(r, "expert", "test", tmp_path / "e", out, show_progress=False)
     rand = run_eval(r, "random", "test", tmp_path / "r", out, show_progress=False)
     for d in ("easy", "medium", "hard", "all"):
@@ -206,7 +206,7 @@ def test_cli_bad_task_file_exits_2(tmp_path):
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "test_easy.jsonl").write_text('{"id": "x", "instruction_id": 3}\n')
-    r = _cli("eval", str(TINY), "--policy", "expert", "--split", "test", "--out", str(tmp_path / "o"),
+    r = _cli("eval", str(CI_RECIPE), "--policy", "expert", "--split", "test", "--out", str(tmp_path / "o"),
              "--tasks", str(tasks), "--quiet")
     assert r.returncode == 2
     assert "test_easy.jsonl:1" in r.stderr
@@ -221,7 +221,7 @@ def test_recipe_errors_name_the_field(tmp_path):
 
 def test_build_tasks_in_memory_matches_files(tiny_build):
     out, _ = tiny_build
-    splits, _ = build_tasks(load_recipe(TINY), show_progress=False)
+    splits, _ = build_tasks(load_recipe(CI_RECIPE), show_progress=False)
     assert sorted(t.id for t in splits["test"]) == sorted(t.id for t in load_tasks(out, "test"))
 
 
@@ -259,9 +259,14 @@ def test_teacher_reads_only_the_belief(tiny_build):
         assert ctrl.success, t.id
 
 
-def test_medium_recipe_builds_and_the_teacher_solves_everything():
+@pytest.fixture(scope="module")
+def medium_build():
+    return build_tasks(load_recipe(ROOT / "recipes" / "medium.yaml"), show_progress=False)
+
+
+def test_medium_recipe_builds_and_the_teacher_solves_everything(medium_build):
     """The main job's recipe at full size: ~1,200 candidate instances, every accepted one solved by the teacher."""
-    splits, stats = build_tasks(load_recipe(ROOT / "recipes" / "medium.yaml"), show_progress=False)
+    splits, stats = medium_build
     assert stats["accepted"] > 600
     assert stats["expert_solved"] == 1.0
     for d in ("easy", "medium", "hard"):
@@ -295,3 +300,45 @@ def test_state_key_caches_match_a_fresh_computation(tiny_build):
                 if policy == "expert":
                     planner.observe(call, res)
                 assert res.state_key == ctrl.w.uncached_key(), (t.id, call)
+
+
+def test_prompt_shows_where_objects_are_and_only_doors(tiny_build):
+    """An object on or in a landmark names the landmark's place (one look-up to know where to go); links are
+    listed only when they are doors, with their ids and states; the memory keeps each step's first sentence."""
+    out, _ = tiny_build
+    seen_on_landmark = 0
+    for t in _all_tasks(out)[:40]:
+        ctrl = EnvController(t)
+        obs = ctrl.reset()
+        known = known_map(ctrl.w)
+        text = build_step_messages(t.instruction, known, StepMemory(), obs, 0, t.step_budget)[1]["content"]
+        where = {lm: p for p, lms in known["landmarks"].items() for lm in lms}
+        for oid, _, loc in known["objects"]:
+            if loc in where:
+                assert f"{oid} " in text and f"@{where[loc]}/{loc}" in text
+                seen_on_landmark += 1
+        doors = [c for c in known["connections"] if c[3]]
+        plain = [c for c in known["connections"] if not c[3]]
+        for cid, a, b, state in doors:
+            assert f"{a}-{b} ({cid} {state})" in text
+        for cid, *_ in plain:
+            assert cid not in text.split("Observation:")[0]
+    assert seen_on_landmark > 5
+    mem = StepMemory()
+    mem.add({"name": "navigate", "arguments": {"target": "kitchen"}}, None,
+            "You are in the kitchen [kitchen]. You see: a table [table_1]. Exits: hall [hall].")
+    mem.add({"name": "open", "arguments": {"target": "d_1"}}, "trigger_fired", "The door d_1 to the hall is locked.")
+    assert mem.steps == [("navigate(kitchen)", "ok: You are in the kitchen [kitchen]"),
+                         ("open(d_1)", "trigger_fired: The door d_1 to the hall is locked.")]
+
+
+def test_compositional_split_targets_new_type_colour_combinations(medium_build):
+    from sft.metrics import compositional_split, target_combos
+    train, test = medium_build[0]["train"], medium_build[0]["test"]
+    seen = set().union(*(target_combos(t) for t in train))
+    comp = compositional_split(train, test)
+    assert comp, "the medium recipe's test split has compositional tasks"
+    for t in comp:
+        combos = target_combos(t)
+        assert combos and not combos & seen and any(c[1] for c in combos)
+        assert all(c[1] is None or c[1].lower() in t.instruction.lower() for c in combos)

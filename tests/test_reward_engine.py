@@ -368,4 +368,4 @@ def test_recipe_judge_section(tmp_path, task):
         eng = make_reward_engine(load_recipe(path))
         v = eng.score(play(task, [_c("look_around")]))
     assert v.backend == "llm:judge" and v.turns[0].score == 0.1 and v.prompt_hash == default_prompt().content_hash()
-    assert make_reward_engine(load_recipe(ROOT / "recipes" / "tiny.yaml")).backend.id == "rule"
+    assert make_reward_engine(load_recipe(ROOT / "recipes" / "ci.yaml")).backend.id == "rule"

@@ -4,6 +4,7 @@ steps, resume, and the checkpoint running in the sandbox through batched generat
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -11,53 +12,21 @@ from agent.parser import ToolCall, parse_text, render_compact
 from sft.student import StudentConfig, build_tiny_student, corpus_texts, n_params, train_tokenizer
 from sft.train import SFTSection, load_sft_dataset, run_sft
 
+ROOT = Path(__file__).resolve().parents[1]
 SMALL = StudentConfig(hidden_size=48, intermediate_size=96, num_layers=2, num_heads=2, num_kv_heads=1,
                       vocab_size=600)
 
 
 @pytest.fixture(scope="module")
-def sft_dataset(tmp_path_factory, built_tasks):
-    """TEMP: the step/conversation artifact built here until distill/ lands."""
-    import hashlib
-    from datasets import Dataset, Features, Json, List, Value
-    from agent.clients import ScriptedExpertClient
-    from agent.tools import tool_definitions
-    from evaluation.policies import ModelPolicy
-    from evaluation.sandbox_eval import run_episode
-    from sandbox.gym_env import SandboxEnv
-    out = tmp_path_factory.mktemp("ds")
-    env = SandboxEnv()
-    pol = ModelPolicy(ScriptedExpertClient(env), name="expert")
-    msg = {"role": Value("string"), "content": Value("string"),
-           "tool_calls": List({"id": Value("string"), "type": Value("string"),
-                               "function": {"name": Value("string"), "arguments": Json()}}),
-           "tool_call_id": Value("string"), "name": Value("string")}
-    feats = Features({"messages": List(msg), "tools": Json(), "instruction_id": Value("string")})
-    steps, convs = [], []
-    blank = {"tool_calls": None, "tool_call_id": None, "name": None}
-    for i, t in enumerate([t for t in built_tasks if t.split == "train"]):
-        tr = run_episode(env, t, pol, seed=i)
-        conv = [{**blank, **m} for m in tr.turns[0].prompt]
-        for k, u in enumerate(tr.turns):
-            a = {**blank, "role": "assistant", "content": u.reasoning,
-                 "tool_calls": [{"id": f"call_{k}", "type": "function",
-                                 "function": {"name": u.tool_call["name"], "arguments": u.tool_call["arguments"]}}]}
-            steps.append({"messages": [{**blank, **m} for m in u.prompt] + [a], "tools": tool_definitions(),
-                          "instruction_id": t.instruction_id})
-            conv += [a, {**blank, "role": "tool", "content": u.observation, "tool_call_id": f"call_{k}",
-                         "name": u.tool_call["name"]}]
-        convs.append({"messages": conv[:-1], "tools": tool_definitions(), "instruction_id": t.instruction_id})
-    for name, rows in (("step", steps), ("conversation", convs)):
-        (out / "data" / name).mkdir(parents=True)
-        val = [r for r in rows if int(hashlib.md5(r["instruction_id"].encode()).hexdigest(), 16) % 10 == 0]
-        tr_ = [r for r in rows if r not in val]
-        Dataset.from_list(tr_, features=feats).to_parquet(str(out / "data" / name / "train-00000-of-00001.parquet"))
-        Dataset.from_list(val, features=feats).to_parquet(str(out / "data" / name /
-                                                               "validation-00000-of-00001.parquet"))
-    cfg = "".join(f"- config_name: {n}\n  data_files:\n  - split: train\n    path: data/{n}/train-*\n"
-                  f"  - split: validation\n    path: data/{n}/validation-*\n" for n in ("step", "conversation"))
-    (out / "README.md").write_text("---\nconfigs:\n" + cfg + "---\n# temp\n")
-    return out
+def sft_dataset(tmp_path_factory):
+    """The tiny recipe's real distillation artifact (expert teacher, rule judge, parquet + card)."""
+    from pipeline.recipe import load_recipe
+    from pipeline.stages import run_distill_stage
+    out = tmp_path_factory.mktemp("distill")
+    recipe = load_recipe(ROOT / "recipes" / "ci.yaml")
+    run_distill_stage(recipe.model_copy(update={"distill": recipe.distill.model_copy(
+        update={"validation_fraction": 0.15})}), out, show_progress=False)
+    return out / "dataset"
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +122,108 @@ def test_tiny_student_size_follows_the_recipe(tok):
     model = build_tiny_student(StudentConfig(), tok)
     assert 1_000_000 < n_params(model) < 3_000_000
     assert model.config.tie_word_embeddings and model.config.eos_token_id == tok.eos_token_id
+
+
+def _qwen_like_base(out: Path, rows) -> Path:
+    """A local stand-in for a Qwen2.5 instruct checkpoint: a Qwen2-architecture model and a tokenizer with
+    Qwen2.5's own chat template (the copy TRL ships) and its special tokens, saved with save_pretrained.
+    Loading it goes through exactly the code that loads `Qwen/Qwen2.5-0.5B-Instruct` from the Hub."""
+    import trl
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
+               "</tool_response>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = [m["content"] for r in rows for m in r["messages"] if m["content"]]
+    texts += [json.dumps(tc["function"]) for r in rows for m in r["messages"] for tc in m["tool_calls"] or []]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=800, special_tokens=special, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+    conf = Qwen2Config(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                       eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)
+    Qwen2ForCausalLM(conf).save_pretrained(out)
+    fast.save_pretrained(out)
+    return out
+
+
+def test_pretrained_student_keeps_its_template_and_trains_lora(sft_dataset, step_rows, tmp_path):
+    from trl import SFTConfig, SFTTrainer
+
+    from agent.clients import TransformersClient
+    from sft.student import load_pretrained_student, lora_config
+    base = _qwen_like_base(tmp_path / "qwen-like", step_rows[:200])
+    cfg = StudentConfig(kind="pretrained", base=str(base), lora_r=8, lora_alpha=16)
+    model, tok = load_pretrained_student(cfg)
+    ds = load_sft_dataset(sft_dataset, "step")
+    args = SFTConfig(output_dir=str(tmp_path / "x"), assistant_only_loss=True, max_length=4096, report_to=[],
+                     use_cpu=True, max_steps=1)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=ds["train"].select(range(8)), processing_class=tok,
+                         peft_config=lora_config(cfg))
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    assert 0 < trainable < 0.2 * sum(p.numel() for p in trainer.model.parameters())  # LoRA adapters only
+    for row, enc in zip(ds["train"].select(range(8)), trainer.train_dataset, strict=True):
+        text = tok.decode([i for i, lab in zip(enc["input_ids"], enc["labels"], strict=True) if lab != -100])
+        fn = row["messages"][-1]["tool_calls"][0]["function"]
+        # Qwen2.5's own rendering: JSON inside <tool_call>, then <|im_end|>; nothing of the prompt
+        assert text.startswith("<tool_call>\n{") and text.rstrip().endswith("</tool_call><|im_end|>"), text
+        parsed = parse_text(text.replace("<|im_end|>", ""))
+        assert isinstance(parsed, ToolCall) and parsed.name == fn["name"]
+    # the stage: LoRA training, merged into a plain checkpoint that the evaluation client loads
+    sft = SFTSection(student=cfg, max_steps=10, batch_size=4, lr=1e-2, eval_steps=5, save_steps=5,
+                     logging_steps=2, max_eval_samples=8, max_train_samples=64, warmup_ratio=0.0,
+                     scheduler="constant_with_warmup")
+    m = run_sft(sft, sft_dataset, tmp_path / "sft", seed=0, show_progress=False)
+    losses = [c["loss"] for c in m["curve"] if "loss" in c]
+    assert losses[-1] < losses[0] and m["trainable_params"] < m["params"]
+    final = tmp_path / "sft" / "final"
+    assert (final / "config.json").is_file() and not (final / "adapter_config.json").exists()
+    client = TransformersClient(final, max_new_tokens=8)
+    row = step_rows[0]
+    prompt = client.render_prompt(row["messages"][:-1], row["tools"])
+    assert prompt.startswith("<|im_start|>system\n") and '"name": "navigate"' in prompt  # tools in the system turn
+    assert prompt.endswith("Next skill call?<|im_end|>\n<|im_start|>assistant\n")
+    assert isinstance(client.chat(row["messages"][:-1], tools=row["tools"]).text, str)
+
+
+def test_packing_and_offline_wandb_logging(sft_dataset, tmp_path, monkeypatch):
+    """Packed batches (TRL's best-fit decreasing, padding-free) train too, and `sft.wandb: true` logs a real
+    wandb run, offline when no API key is configured."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    cfg = SFTSection(student=SMALL, max_steps=6, batch_size=4, lr=1e-2, eval_steps=6, save_steps=6,
+                     logging_steps=2, max_eval_samples=8, warmup_ratio=0.0, packing=True, max_length=2048,
+                     wandb=True, scheduler="constant_with_warmup")
+    m = run_sft(cfg, sft_dataset, tmp_path / "sft", seed=0, show_progress=False)
+    losses = [c["loss"] for c in m["curve"] if "loss" in c]
+    assert m["steps"] == 6 and losses[-1] < losses[0]
+    runs = list((tmp_path / "sft" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+
+
+def test_language_modelling_phase_then_assistant_only(sft_dataset, tmp_path):
+    """`lm_epochs`: a from-scratch student first learns its prompts with loss on every token, then the
+    assistant-only phase starts from those weights; a rerun reuses the finished first phase."""
+    cfg = SFTSection(student=SMALL.model_copy(update={"reasoning": True}), lm_epochs=0.3, max_steps=6,
+                     batch_size=8, lr=1e-2, eval_steps=6, save_steps=6, logging_steps=2, max_eval_samples=8,
+                     warmup_ratio=0.0)
+    m = run_sft(cfg, sft_dataset, tmp_path / "sft", seed=0, show_progress=False)
+    lm = m["lm_phase"]
+    assert lm["loss"] == "all_tokens" and m["loss"] == "assistant_only" and lm["steps"] > 0
+    lm_losses = [c["loss"] for c in lm["curve"] if "loss" in c]
+    assert lm_losses[-1] < lm_losses[0]
+    assert (tmp_path / "sft" / "lm" / "final" / "config.json").is_file()
+    # the phases differ in what they label: every token, or only the assistant's
+    from safetensors.torch import load_file
+    init = load_file(tmp_path / "sft" / "student_init" / "model.safetensors")
+    after_lm = load_file(tmp_path / "sft" / "lm" / "final" / "model.safetensors")
+    assert any(not init[k].equal(after_lm[k]) for k in init)
+    again = run_sft(cfg.model_copy(update={"max_steps": 8}), sft_dataset, tmp_path / "sft", seed=0,
+                    show_progress=False)
+    assert again["lm_phase"] == lm and again["resumed"] and again["steps"] == 8
+    with pytest.raises(ValueError, match="lm_epochs"):
+        SFTSection(student=StudentConfig(kind="pretrained", base="x"), lm_epochs=1.0)

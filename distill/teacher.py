@@ -1,0 +1,249 @@
+"""Teacher rollouts over the train tasks, resumable.
+
+Every episode runs through `evaluation.policies.ModelPolicy`, so each turn records the exact step prompt
+(`agent.prompt.build_step_messages`) and the raw output:
+
+* the expert (embedded default): `ModelPolicy(ScriptedExpertClient(env), name="expert")`, one `SandboxEnv`
+  that the client is bound to, episodes one after another (its natural try-fail-recover behaviour: it acts on
+  the agent's belief only, so it searches, asks, fails and recovers);
+* any chat model through a `ClientSpec` (`agent.clients.make_client`): an OpenAI-compatible endpoint runs
+  `concurrency` episodes at once in a thread pool (one env and one policy per episode, one shared client);
+  a local transformers model runs them one after another.
+
+Resume: each finished episode is appended as one line to `trajectories.partial.jsonl` (flushed and fsynced),
+next to a key file naming the inputs it was written for. A rerun reads it back (a torn last line from a
+crash is cut off), skips the finished tasks and appends only the others; the caller then writes the final
+file in task order, so its bytes depend neither on concurrency nor on interruptions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from pydantic import ValidationError
+from tqdm import tqdm
+
+from agent.clients import ClientSpec
+from agent.trajectory import Trajectory, write_json
+from sandbox.schema import TaskInstance
+
+PARTIAL = "trajectories.partial.jsonl"
+PARTIAL_KEY = "trajectories.partial.key.json"
+
+
+class TeacherError(RuntimeError):
+    """The teacher run cannot go on (a model endpoint failed for good, or the resume file does not match)."""
+
+
+def episode_seed(recipe_seed: int, index: int) -> int:
+    """The episode seed of the task at `index`, derived as `evaluation.sandbox_eval.evaluate` does."""
+    return recipe_seed * 100_003 + index
+
+
+def teacher_name(teacher: str | ClientSpec) -> str:
+    """A short, secret-free name: `expert`, `openai:MODEL` or `transformers:FOLDER`."""
+    if isinstance(teacher, str):
+        return teacher
+    return f"{teacher.kind}:{Path(teacher.model).name if teacher.kind == 'transformers' else teacher.model}"
+
+
+def teacher_description(teacher: str | ClientSpec) -> dict:
+    """What identifies the teacher's behaviour (no base URL, no key variable: nothing private)."""
+    if isinstance(teacher, str):
+        return {"kind": teacher}
+    return teacher.model_dump(include={"kind", "model", "temperature", "seed", "max_tokens"})
+
+
+def tasks_sha256(tasks: list[TaskInstance]) -> str:
+    h = hashlib.sha256()
+    for t in tasks:
+        h.update(t.model_dump_json().encode())
+        h.update(b"\n")
+    return h.hexdigest()[:16]
+
+
+def run_key(tasks: list[TaskInstance], teacher: str | ClientSpec, recipe_seed: int, persona: dict) -> dict:
+    """The inputs a partial file was written for; a rerun resumes only when they are the same."""
+    return {"teacher": teacher_description(teacher), "tasks_sha256": tasks_sha256(tasks),
+            "tasks": len(tasks), "seed": recipe_seed, "persona": persona}
+
+
+@dataclass
+class TeacherRun:
+    trajectories: list[Trajectory]                      # in task order
+    resumed: int = 0                                    # episodes read back from the partial file
+    ran: int = 0                                        # episodes played by this call
+    client_stats: dict = field(default_factory=dict)    # OpenAIClient counters (requests, retries, errors)
+
+
+# ----------------------------------------------------------------------------- the partial file
+
+
+def read_partial(path: Path) -> tuple[list[Trajectory], int]:
+    """The finished episodes in a partial file and the byte length of its valid part. A last line that does
+    not parse (a write cut short by a crash) is left out; a bad line before it is an error naming the line."""
+    data = path.read_bytes()
+    rows: list[Trajectory] = []
+    good_end = pos = 0
+    lines = data.split(b"\n")
+    for n, line in enumerate(lines, 1):
+        end = min(pos + len(line) + 1, len(data))
+        if line.strip():
+            try:
+                rows.append(Trajectory.model_validate_json(line))
+            except ValidationError as e:
+                if any(rest.strip() for rest in lines[n:]):
+                    raise TeacherError(f"{path}:{n}: not a trajectory ({e.errors()[0]['msg'][:120]}); the file is "
+                                       "damaged before its last line: delete it (or pass --restart) to start "
+                                       "over") from e
+                break  # the torn last line
+        good_end = pos = end
+    return rows, good_end
+
+
+def _open_partial(folder: Path, key: dict, restart: bool) -> tuple[list[Trajectory], object]:
+    """Check the key, read the finished rows, cut a torn tail, and open the file for appending."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path, key_path = folder / PARTIAL, folder / PARTIAL_KEY
+    if restart:
+        for p in (path, key_path):
+            p.unlink(missing_ok=True)
+    if not path.exists():
+        write_json(key_path, key)
+        return [], open(path, "a")
+    if not key_path.is_file():
+        raise TeacherError(f"{path} has no {PARTIAL_KEY} beside it, so it cannot be matched to this run: "
+                           "delete it (or pass --restart) to start over")
+    try:
+        old = json.loads(key_path.read_text())
+    except ValueError as e:
+        raise TeacherError(f"{key_path}: not JSON ({e}); delete it and {PARTIAL} (or pass --restart)") from e
+    if old != key:
+        diff = sorted(k for k in set(old) | set(key) if old.get(k) != key.get(k))
+        raise TeacherError(f"{path} was written for other inputs (different {', '.join(diff)}): pass --restart "
+                           "to discard it, or restore the recipe and tasks it was made with")
+    rows, good_end = read_partial(path)
+    with open(path, "r+b") as f:
+        if good_end < path.stat().st_size:  # cut the torn tail so the next row starts on a fresh line
+            f.truncate(good_end)
+        if good_end:
+            f.seek(good_end - 1)
+            if f.read(1) != b"\n":  # the last row is whole but lost its newline
+                f.seek(good_end)
+                f.write(b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return rows, open(path, "a")
+
+
+def _append(fh, traj: Trajectory) -> None:
+    fh.write(traj.model_dump_json() + "\n")
+    fh.flush()
+    os.fsync(fh.fileno())
+
+
+# ----------------------------------------------------------------------------- running episodes
+
+
+def _expert_episodes(todo: list[tuple[int, TaskInstance, int]], human_factory):
+    from agent.clients import ScriptedExpertClient
+    from evaluation.policies import ModelPolicy
+    from evaluation.sandbox_eval import run_episode
+    from sandbox.gym_env import SandboxEnv
+    env = SandboxEnv(human_factory=human_factory)
+    policy = ModelPolicy(ScriptedExpertClient(env), name="expert")
+    for i, task, seed in todo:
+        yield i, run_episode(env, task, policy, seed)
+
+
+def _one_model_episode(client, task: TaskInstance, seed: int, human_factory) -> Trajectory:
+    from evaluation.policies import ModelPolicy
+    from evaluation.sandbox_eval import run_episode
+    from sandbox.gym_env import SandboxEnv
+    return run_episode(SandboxEnv(human_factory=human_factory), task, ModelPolicy(client), seed)
+
+
+def run_teacher(tasks: list[TaskInstance], teacher: str | ClientSpec, folder: str | Path, recipe_seed: int = 0,
+                concurrency: int = 8, human_factory=None, persona: dict | None = None, restart: bool = False,
+                progress: Callable[[int], None] | None = None, show_progress: bool = True,
+                client=None) -> TeacherRun:
+    """Play every task once with the teacher, resuming from `folder/trajectories.partial.jsonl`.
+
+    `progress(n)` is called after each episode is saved (it may raise to stop the run: what was saved stays).
+    `client` overrides the client built from a `ClientSpec` (the caller's own ChatModel). An endpoint that
+    fails after its retries does not stop the other episodes; the run then raises `TeacherError` naming how
+    many failed, and a rerun plays only those."""
+    folder = Path(folder)
+    ids = [t.id for t in tasks]
+    if len(set(ids)) != len(ids):
+        raise TeacherError("the task list has duplicate ids")
+    seeds = {t.id: episode_seed(recipe_seed, i) for i, t in enumerate(tasks)}
+    key = run_key(tasks, teacher, recipe_seed, persona or {"mode": "rule"})
+    rows, fh = _open_partial(folder, key, restart)
+    done: dict[str, Trajectory] = {}
+    for n, r in enumerate(rows, 1):
+        if r.task_id not in seeds:
+            fh.close()
+            raise TeacherError(f"{folder / PARTIAL}: row {n} is for task {r.task_id!r}, which is not in this run")
+        if r.task_id in done:
+            fh.close()
+            raise TeacherError(f"{folder / PARTIAL}: task {r.task_id!r} appears twice; pass --restart")
+        if r.seed != seeds[r.task_id]:
+            fh.close()
+            raise TeacherError(f"{folder / PARTIAL}: task {r.task_id!r} was played with seed {r.seed}, not "
+                               f"{seeds[r.task_id]}; pass --restart")
+        done[r.task_id] = r
+    resumed = len(done)
+    todo = [(i, t, seeds[t.id]) for i, t in enumerate(tasks) if t.id not in done]
+    bar = tqdm(total=len(tasks), initial=resumed, desc=f"teacher {teacher_name(teacher)}", unit="ep",
+               disable=not show_progress)
+    failures: list[tuple[str, BaseException]] = []
+    stats: dict = {}
+
+    def save(traj: Trajectory) -> None:
+        _append(fh, traj)
+        done[traj.task_id] = traj
+        bar.update(1)
+        if progress:
+            progress(1)
+
+    try:
+        if teacher == "expert":
+            for _, traj in _expert_episodes(todo, human_factory):
+                save(traj)
+        elif todo:
+            from agent.clients import make_client
+            client = client if client is not None else make_client(teacher)
+            workers = concurrency if teacher.kind == "openai" else 1  # a local model: one episode at a time
+            pool = ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo))), thread_name_prefix="teacher")
+            try:
+                pending: dict[Future, TaskInstance] = {
+                    pool.submit(_one_model_episode, client, t, s, human_factory): t for _, t, s in todo}
+                while pending:
+                    finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    for fut in sorted(finished, key=lambda f: ids.index(pending[f].id)):
+                        task = pending.pop(fut)
+                        err = fut.exception()
+                        if err is not None:
+                            failures.append((task.id, err))
+                            continue
+                        save(fut.result())
+            finally:  # on an interruption: drop what has not started; running episodes are not saved
+                pool.shutdown(wait=False, cancel_futures=True)
+            stats = dict(getattr(client, "stats", {}) or {})
+    finally:
+        fh.close()
+        bar.close()
+    if failures:
+        tid, first = failures[0]
+        raise TeacherError(f"{len(failures)} of {len(todo)} teacher episodes failed (first: task {tid}: "
+                           f"{type(first).__name__}: {str(first)[:200]}); the {len(done)} finished ones are saved "
+                           f"in {folder / PARTIAL}: rerun to play only the rest") from first
+    return TeacherRun(trajectories=[done[i] for i in ids], resumed=resumed, ran=len(done) - resumed,
+                      client_stats=stats)
