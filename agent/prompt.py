@@ -1,8 +1,9 @@
 """The per-step prompt builder shared by teacher, SFT data, RL rollouts and evaluation.
 
-A step prompt is: the system message (role and rules), then one user message with the task, the known
-map, the memory of recent steps, known facts, and the current observation. It is built from the
-instruction and the agent's belief only (`sandbox.observation.known_map`), so it carries no hidden state.
+A step prompt is: the system message (role and rules), then one user message with the known map, known
+facts, the memory of recent steps, the current observation, and last the task (next to the decision it
+governs, where even a tiny model reads it). It is built from the instruction and the agent's belief only
+(`sandbox.observation.known_map`), so it carries no hidden state.
 The user message ends with a fixed line, so the assistant turn always starts at the chat template's
 special tokens and never inside a BPE merge.
 """
@@ -58,10 +59,13 @@ def render_known(known: dict) -> str:
     if known["objects"]:
         # an object on or in a landmark also names the landmark's place: where to go is one look-up, not two
         where = {lm: pid for pid, lms in marks.items() for lm in lms}
+        # ids stand as words (" at kitchen", not "@kitchen"), so a BPE tokenizer splits an id the same way here as
+        # in a call ("navigate kitchen")
         lines.append("Objects: " + "; ".join(
-            f"{oid} {name} @{where[loc] + '/' if loc in where else ''}{loc}" for oid, name, loc in known["objects"]))
+            f"{oid} {name} " + ("held" if loc == "held" else f"at {where[loc]} {loc}" if loc in where else f"at {loc}")
+            for oid, name, loc in known["objects"]))
     if known["people"]:
-        lines.append("People: " + "; ".join(f"{pid} {name}, {role} @{loc}" for pid, name, role, loc
+        lines.append("People: " + "; ".join(f"{pid} {name}, {role} at {loc}" for pid, name, role, loc
                                              in known["people"]))
     return "\n".join(lines)
 
@@ -69,12 +73,14 @@ def render_known(known: dict) -> str:
 def build_step_messages(instruction: str, known: dict, memory: StepMemory, observation: str,
                         step: int, budget: int) -> list[dict]:
     """The chat messages for one decision (system + user)."""
-    parts = [f"Task: {instruction}", f"Step {step + 1}/{budget}.", render_known(known)]
+    parts = [f"Step {step + 1}/{budget}.", render_known(known)]
     if known["facts"]:
         parts.append("Facts: " + "; ".join(known["facts"]))
     if memory.steps:
         parts.append("Recent:\n" + "\n".join(f"- {c} -> {r}" for c, r in memory.steps))
     parts.append(f"Observation: {observation}")
+    # the task closes the prompt, right before the decision: what to do next is read against it
+    parts.append(f"Task: {instruction}")
     parts.append("Next skill call?")
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "\n".join(parts)}]
 

@@ -1,9 +1,9 @@
 """Cost of the rule-program reward engine per turn (what RL pays for dense rewards), cold and warm cache.
 
-    python benchmarks/judge_speed.py            # tiny recipe, expert + random trajectories, 5 rounds
+    python benchmarks/judge_speed.py            # ci recipe, expert + random trajectories, 5 rounds
     python benchmarks/judge_speed.py --rounds 3
 
-Trajectories are made once (untimed) by the expert and the random policy on the tiny recipe's train split.
+Trajectories are made once (untimed) by the expert and the random policy on the ci recipe's train split.
 Each round judges all of them with a fresh cache (cold: every turn is judged) and then again with that
 cache (warm: every turn is a cache hit). Medians over rounds; one JSON object on stdout.
 """
@@ -29,7 +29,7 @@ from reward_engine.judge import RewardEngine, VerdictCache, summarize  # noqa: E
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--recipe", default=str(ROOT / "recipes" / "tiny.yaml"))
+    ap.add_argument("--recipe", default=str(ROOT / "recipes" / "ci.yaml"))
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     tasks = build_tasks(load_recipe(args.recipe), show_progress=False)[0]["train"]

@@ -10,7 +10,7 @@ Prints one JSON object:
   arguments such as a reason are not compared) on held-out steps: `validation` (steps of the validation
   instructions of the distilled dataset) and `test` (every step of the expert's episodes on the test split:
   new layouts, instruction strings never seen in training);
-- `student` and `expert`: sandbox metrics on the test split per difficulty (TSR, GCR, steps, invalid-action
+- `student`, `expert` and `random`: sandbox metrics on the test split per difficulty (TSR, GCR, steps, invalid-action
   rate), the student run closed-loop in lockstep batches through the shared prompt builder and parser;
 - `compositional`: the test tasks whose target (type, colour) combination was never a target in training
   (both words were), for the student and the expert;
@@ -47,6 +47,7 @@ def main() -> None:
 
     from agent.clients import TransformersClient
     from distill.dataset import step_samples
+    from distill.teacher import run_teacher
     from evaluation.sandbox_eval import evaluate
     from pipeline.recipe import load_recipe
     from pipeline.stages import build_tasks, run_distill_stage, run_sft_stage
@@ -72,12 +73,16 @@ def main() -> None:
         report["distill_plus_sft_minutes"] = round((time.time() - t0) / 60, 2)
         report["curve"] = sm["curve"]
     final = out / "sft" / "final"
-    client = TransformersClient(final, max_new_tokens=48, batch_size=args.batch)
+    client = TransformersClient(final, max_new_tokens=96, batch_size=args.batch)
     t1 = time.time()
     test = splits["test"]
-    m_exp, expert_trajs = evaluate(test, "expert", seed=recipe.eval.seed)
+    # the expert as the teacher plays (ModelPolicy over the scripted expert): each turn keeps its step prompt
+    expert_trajs = run_teacher(test, "expert", out / "test_expert", recipe_seed=recipe.eval.seed, restart=True,
+                               show_progress=False).trajectories
+    m_exp = split_metrics(expert_trajs)
+    m_rnd, _ = evaluate(test, "random", seed=recipe.eval.seed)
     m_stu, trajs = evaluate(test, str(final), seed=recipe.eval.seed, batch_size=args.batch)
-    report["student"], report["expert"] = _table(m_stu), _table(m_exp)
+    report["student"], report["expert"], report["random"] = _table(m_stu), _table(m_exp), _table(m_rnd)
     report["easy_gcr_vs_expert"] = round(m_stu["easy"]["gcr"] / max(m_exp["easy"]["gcr"], 1e-9), 4)
     comp_ids = {t.id for t in compositional_split(splits["train"], test)}
     if comp_ids:
@@ -87,6 +92,7 @@ def main() -> None:
     else:
         report["compositional"] = {"episodes": 0}
     report["eval_seconds"] = round(time.time() - t1, 1)
+    (out / "learning_partial.json").write_text(json.dumps(report, indent=2))  # kept should a later part fail
     # teacher forcing on held-out steps: the validation instructions, and the expert's own test episodes
     val = load_sft_dataset(out / "distill" / "dataset", "step")["validation"]
     val_rows = [r for r in val if r["messages"][-1].get("tool_calls")][: args.max_validation_steps]

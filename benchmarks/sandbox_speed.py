@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seconds", type=float, default=5.0,
                     help="wall time per measurement, split over the rounds (default 5.0)")
     ap.add_argument("--quick", action="store_true", help="0.5 s per measurement (smoke run)")
-    ap.add_argument("--recipe", default="recipes/tiny.yaml")
+    ap.add_argument("--recipe", default="recipes/ci.yaml")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved sandbox/MiniGrid rounds (medians reported)")
     args = ap.parse_args(argv)
     seconds = 0.5 if args.quick else args.seconds

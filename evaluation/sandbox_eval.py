@@ -117,7 +117,7 @@ def evaluate(tasks: list[TaskInstance], policy: str, seed: int = 0,
     from pathlib import Path
     if policy not in POLICIES and Path(policy).is_dir():
         from agent.clients import TransformersClient
-        client = TransformersClient(policy, max_new_tokens=64)
+        client = TransformersClient(policy, max_new_tokens=96)
         seeds = [seed * 100_003 + i for i in range(len(tasks))]
         trajs = run_model_batched(tasks, client, seeds, batch_size=batch_size, name=Path(policy).name,
                                   progress=progress, human_factory=human_factory)

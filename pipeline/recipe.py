@@ -33,6 +33,21 @@ class SandboxSection(_Strict):
     # how people word their replies: the rule persona, or a model (the rules still decide what happens)
     persona: Literal["rule", "llm"] = "rule"
     persona_model: ClientSpec | None = None
+    # "colour type" targets that no train instruction may have ("purple ball"): the test tasks that target them
+    # form the compositional split (both words known from training, the combination never targeted)
+    compositional_holdout: list[str] = Field(default_factory=list)
+
+    @field_validator("compositional_holdout")
+    @classmethod
+    def _combos(cls, v):
+        bad = [x for x in v if len(x.split()) < 2]
+        if bad:
+            raise ValueError(f"entries are 'colour type' (e.g. 'purple ball'), not {bad}")
+        return v
+
+    def holdout_combos(self) -> set[tuple[str, str]]:
+        """{(type, colour)} of `compositional_holdout` ("purple ball" -> ("ball", "purple"))."""
+        return {(" ".join(x.split()[1:]), x.split()[0]) for x in self.compositional_holdout}
 
     @model_validator(mode="after")
     def _models(self):

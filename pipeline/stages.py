@@ -40,12 +40,21 @@ def build_tasks(recipe: Recipe, show_progress: bool = True) -> tuple[dict[str, l
     bar = tqdm(total=len(scenes) * (n_train + n_test), desc="build tasks", unit="instr", disable=not show_progress)
     train = build_split(scenes, "train", n_train, cfg, stats, difficulties=recipe.sandbox.difficulties,
                         progress=bar.update, make_builder=make)
+    holdout, held = recipe.sandbox.holdout_combos(), set()
+    if holdout:  # the compositional split: no train instruction targets a held-out combination
+        from sandbox.builder import target_combos
+        held = {t.instruction_id for t in train if target_combos(t) & holdout}
+        train = [t for t in train if t.instruction_id not in held]
     texts = {t.instruction for t in train}
     layouts = {t.layout_id for t in train}
     test = build_split(scenes, "test", n_test, cfg, stats, forbidden_texts=texts, forbidden_layouts=layouts,
                        difficulties=recipe.sandbox.difficulties, progress=bar.update, make_builder=make)
     bar.close()
-    return {"train": train, "test": test}, stats.to_json()
+    out = stats.to_json()
+    if holdout:
+        out["compositional_holdout"] = {"combinations": sorted(recipe.sandbox.compositional_holdout),
+                                        "train_instructions_dropped": len(held)}
+    return {"train": train, "test": test}, out
 
 
 def recipe_hash(recipe: Recipe) -> str:
@@ -191,10 +200,12 @@ def run_distill_stage(recipe: Recipe, out: Path, tasks_dir: Path | None = None, 
 
     d = recipe.distill
     t0 = time.time()
+    build_stats = None
     if tasks_dir is not None:
         train = load_tasks(tasks_dir, "train")
     else:
-        train = build_tasks(recipe, show_progress)[0]["train"]
+        splits, build_stats = build_tasks(recipe, show_progress)
+        train = splits["train"]
     tasks = distill_tasks(recipe, train)
     if not tasks:
         raise RecipeError("distill: the train split has no tasks (sandbox.train_instructions_per_scene?)")
@@ -245,7 +256,7 @@ def run_distill_stage(recipe: Recipe, out: Path, tasks_dir: Path | None = None, 
                "teacher_metrics": tm, "resumed": run.resumed, "ran": run.ran, "client": run.client_stats,
                "rows": {c: {s: v["num_examples"] for s, v in sp.items()} for c, sp in sizes.items()},
                "instructions": {k: len(v) for k, v in instructions.items()}, "turn_labels": dict(labels),
-               "judge": about["judge"], "teacher_seconds": round(teacher_s, 2),
+               "judge": about["judge"], "teacher_seconds": round(teacher_s, 2), "build": build_stats,
                "seconds": round(time.time() - t0, 2), "dataset": str(out / "dataset")}
     write_json(out / "metrics.json", metrics)
     write_json(out / "manifest.json", {

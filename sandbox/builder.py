@@ -1024,3 +1024,24 @@ def build_split(scenes: list[ScenePack], split: str, n_per_scene: int, cfg: Buil
             if progress:
                 progress(1)
     return out
+
+
+def target_combos(task: TaskInstance) -> set[tuple[str, str | None]]:
+    """(type, colour) of each object the instruction targets, as the instruction words it: the goal's colour, or
+    the colour of the one matching object when the instruction text says it ("the white phone charger" with a
+    goal of type charger)."""
+    out = set()
+    words = set(task.instruction.lower().replace(".", " ").replace(",", " ").split())
+    for g in task.goal:
+        ref = g.object
+        if ref is None:
+            continue
+        color = ref.color
+        if color is None:
+            colors = {o.color for o in task.env_state.objects if o.type == ref.type}
+            if len(colors) == 1:
+                color = next(iter(colors))
+            if color is not None and color.lower() not in words:
+                color = None
+        out.add((ref.type, color))
+    return out

@@ -7,6 +7,7 @@ import json
 
 from agent.parser import ToolCall, parse_action
 from sandbox.controller import norm
+from sandbox.builder import target_combos
 from sandbox.schema import TaskInstance
 
 
@@ -48,27 +49,6 @@ def next_action_exact_match(client, rows, batch_size: int = 32) -> dict:
     n = max(len(rows), 1)
     return {"steps": len(rows), "exact_match": round(hits / n, 4), "skill_match": round(skill_hits / n, 4),
             "parse_rate": round(parsed_ok / n, 4)}
-
-
-def target_combos(task: TaskInstance) -> set[tuple[str, str | None]]:
-    """(type, colour) of each object the instruction targets, as the instruction words it: the goal's colour, or
-    the colour of the one matching object when the instruction text says it ("the white phone charger" with a
-    goal of type charger)."""
-    out = set()
-    words = set(task.instruction.lower().replace(".", " ").replace(",", " ").split())
-    for g in task.goal:
-        ref = g.object
-        if ref is None:
-            continue
-        color = ref.color
-        if color is None:
-            colors = {o.color for o in task.env_state.objects if o.type == ref.type}
-            if len(colors) == 1:
-                color = next(iter(colors))
-            if color is not None and color.lower() not in words:
-                color = None
-        out.add((ref.type, color))
-    return out
 
 
 def compositional_split(train: list[TaskInstance], test: list[TaskInstance]) -> list[TaskInstance]:

@@ -38,7 +38,7 @@ class SFTSection(BaseModel):
     warmup_ratio: float = Field(default=0.03, ge=0, le=0.5)
     scheduler: Literal["cosine", "linear", "constant_with_warmup"] = "cosine"
     weight_decay: float = Field(default=0.0, ge=0)
-    max_length: int = Field(default=1024, ge=32)
+    max_length: int = Field(default=4096, ge=32)   # tokens; a Hub model's template adds the tools JSON (~1-2k)
     packing: bool = False
     eval_steps: int = Field(default=200, ge=1)
     save_steps: int = Field(default=200, ge=1)
@@ -47,13 +47,12 @@ class SFTSection(BaseModel):
     max_train_samples: int | None = Field(default=None, ge=1)
     wandb: bool = False       # report to wandb (offline unless WANDB_MODE / WANDB_API_KEY say otherwise)
     threads: int | None = Field(default=None, ge=1)
-    # A student built from scratch has never read anything. Before the assistant-only phase it first learns the
-    # language of its prompts: full-sequence next-token loss on the same training texts for this many epochs
-    # (0 = off). Assistant-only loss alone gives it a dozen labelled tokens per ~350-token sample; the prompts'
-    # own repetitions (ids in the map, then in the observation) teach it to copy from its context.
+    # A student built from scratch has never read anything. Before the assistant-only phase it can first learn
+    # the language of its prompts: next-token loss on every token of the same training samples for this many
+    # epochs (0 = off). Assistant-only loss alone labels a dozen of a sample's ~300 tokens; after this phase the
+    # assistant-only loss starts far lower (measured: 0.84 instead of 6.0 after 25 steps).
     lm_epochs: float = Field(default=0.0, ge=0)
     lm_lr: float | None = Field(default=None, gt=0, le=1.0)   # default: lr
-
 
     @model_validator(mode="after")
     def _lm_phase_for_tiny_only(self):

@@ -80,7 +80,8 @@ def test_conversation_rows_keep_the_interaction_structure(distilled):
         assert row["tools"] == tool_definitions()
         assert msgs[0] == {"role": "system", "content": SYSTEM_PROMPT, "tool_calls": None, "tool_call_id": None,
                            "name": None}
-        assert msgs[1]["role"] == "user" and msgs[1]["content"].startswith("Task: ")
+        assert msgs[1]["role"] == "user" and "\nTask: " in msgs[1]["content"] \
+            and msgs[1]["content"].endswith("\nNext skill call?")
         body = msgs[2:]
         assert [m["role"] for m in body] == ["assistant", "tool"] * (len(body) // 2)
         for a, t in zip(body[::2], body[1::2], strict=True):

@@ -315,7 +315,7 @@ def test_prompt_shows_where_objects_are_and_only_doors(tiny_build):
         where = {lm: p for p, lms in known["landmarks"].items() for lm in lms}
         for oid, _, loc in known["objects"]:
             if loc in where:
-                assert f"{oid} " in text and f"@{where[loc]}/{loc}" in text
+                assert f"{oid} " in text and f" at {where[loc]} {loc}" in text
                 seen_on_landmark += 1
         doors = [c for c in known["connections"] if c[3]]
         plain = [c for c in known["connections"] if not c[3]]

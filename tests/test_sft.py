@@ -168,8 +168,10 @@ def test_pretrained_student_keeps_its_template_and_trains_lora(sft_dataset, step
     for row, enc in zip(ds["train"].select(range(8)), trainer.train_dataset, strict=True):
         text = tok.decode([i for i, lab in zip(enc["input_ids"], enc["labels"], strict=True) if lab != -100])
         fn = row["messages"][-1]["tool_calls"][0]["function"]
-        # Qwen2.5's own rendering: JSON inside <tool_call>, then <|im_end|>; nothing of the prompt
-        assert text.startswith("<tool_call>\n{") and text.rstrip().endswith("</tool_call><|im_end|>"), text
+        # Qwen2.5's own rendering: the thought, JSON inside <tool_call>, then <|im_end|>; nothing of the prompt
+        assert text.strip().startswith(row["messages"][-1]["content"].strip()), text
+        assert "<tool_call>\n{" in text and text.rstrip().endswith("</tool_call><|im_end|>"), text
+        assert "<|im_start|>" not in text
         parsed = parse_text(text.replace("<|im_end|>", ""))
         assert isinstance(parsed, ToolCall) and parsed.name == fn["name"]
     # the stage: LoRA training, merged into a plain checkpoint that the evaluation client loads
@@ -227,3 +229,22 @@ def test_language_modelling_phase_then_assistant_only(sft_dataset, tmp_path):
     assert again["lm_phase"] == lm and again["resumed"] and again["steps"] == 8
     with pytest.raises(ValueError, match="lm_epochs"):
         SFTSection(student=StudentConfig(kind="pretrained", base="x"), lm_epochs=1.0)
+
+
+def test_sft_cli_runs_the_distillation_first_when_its_dataset_is_missing(tmp_path):
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "sft", str(ROOT / "recipes" / "ci.yaml"), "--quiet"],
+                       capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "running `embodistill distill` first" in r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["steps"] == 4 and out["params"] < 200_000
+    assert (tmp_path / "outputs" / "ci" / "distill" / "dataset" / "README.md").is_file()
+    assert (tmp_path / "outputs" / "ci" / "sft" / "final" / "config.json").is_file()
+    bad = subprocess.run([sys.executable, "-m", "pipeline.cli", "sft", str(ROOT / "recipes" / "ci.yaml"), "--dataset",
+                          str(tmp_path / "nowhere"), "--quiet"], capture_output=True, text=True, cwd=tmp_path,
+                         env=env)
+    assert bad.returncode == 2 and "run `embodistill distill` first" in bad.stderr
