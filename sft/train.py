@@ -103,9 +103,9 @@ def labelled_positions_only():
 
     TRL projects only the labelled positions through the LM head on Triton devices and every position elsewhere
     (fixed tile shapes for compilers such as Neuron's). On CPU nothing is compiled, and with assistant-only loss
-    a step sample labels a dozen of its ~400 tokens, so scoring just those gives the same loss and gradients
-    about 25% faster per step (measured on the tiny student). If TRL renames the switch, training still runs,
-    only slower."""
+    a step sample labels a dozen of its ~300 tokens, so scoring just those gives the same loss and gradients,
+    23% faster per step (0.99 -> 0.76 s on the tiny student, measured side by side). If TRL renames the switch,
+    training still runs, only slower."""
     import trl.trainer.utils as trl_utils
     original = getattr(trl_utils, "_use_triton", None)
     if original is None:
