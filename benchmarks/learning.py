@@ -2,6 +2,7 @@
 
     python benchmarks/learning.py                       # recipes/tiny.yaml, outputs under outputs/bench-learning
     python benchmarks/learning.py --skip-train          # re-measure an existing OUT/sft/final
+    python benchmarks/learning.py --stage rl            # recipes/medium.yaml: SFT student vs GiGPO vs GRPO
 
 Prints one JSON object:
 - `distill_seconds`, `sft_seconds`, `distill_plus_sft_minutes` (wall time on this machine) and the SFT learning
@@ -15,6 +16,12 @@ Prints one JSON object:
 - `compositional`: the test tasks whose target (type, colour) combination was never a target in training
   (both words were), for the student and the expert;
 - `acceptance`: the issue's thresholds, checked.
+
+With `--stage rl` (default recipe `recipes/medium.yaml`): the upstream stages (cached under OUT), then for each
+seed a GiGPO run and a GRPO run from the same SFT checkpoint with the same rollout budget (same iterations,
+tasks and group size; only the advantage differs), and prints the test TSR/GCR of the SFT student and of each
+final policy per seed and averaged, the gains, the wall time of the main job's parts (distill + SFT + one GiGPO
+run) and the peak memory of this process.
 """
 
 from __future__ import annotations
@@ -38,12 +45,19 @@ def _table(m: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--recipe", default=str(ROOT / "recipes" / "tiny.yaml"))
-    ap.add_argument("--out", default=str(ROOT / "outputs" / "bench-learning"))
+    ap.add_argument("--stage", choices=("sft", "rl"), default="sft")
+    ap.add_argument("--recipe", default=None, help="default recipes/tiny.yaml (sft), recipes/medium.yaml (rl)")
+    ap.add_argument("--out", default=None, help="default outputs/bench-learning[-rl]")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="RL seeds (--stage rl)")
+    ap.add_argument("--iterations", type=int, default=None, help="override rl.iterations (--stage rl)")
     ap.add_argument("--skip-train", action="store_true", help="measure an existing OUT/sft/final")
     ap.add_argument("--batch", type=int, default=32, help="episodes stepped together at evaluation")
     ap.add_argument("--max-validation-steps", type=int, default=600)
     args = ap.parse_args()
+    if args.stage == "rl":
+        return rl_stage(args)
+    args.recipe = args.recipe or str(ROOT / "recipes" / "tiny.yaml")
+    args.out = args.out or str(ROOT / "outputs" / "bench-learning")
 
     from agent.clients import TransformersClient
     from distill.dataset import step_samples
@@ -105,6 +119,88 @@ def main() -> None:
         "easy_gcr_ge_0.8_of_expert": report["easy_gcr_vs_expert"] >= 0.8,
         "distill_plus_sft_le_20_min": (report["distill_plus_sft_minutes"] <= 20) if not args.skip_train else None}
     print(json.dumps(report, indent=2))
+
+
+def _rss_mb() -> dict:
+    return {"self": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            "children": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)}
+
+
+def rl_stage(args) -> None:
+    """SFT student vs GiGPO vs GRPO on the test split, over seeds, at equal rollout budget."""
+    from pipeline.recipe import load_recipe
+    from pipeline.stages import run_distill_stage, run_sft_stage
+    from rl.trainer import GiGPOTrainer
+
+    recipe = load_recipe(args.recipe or ROOT / "recipes" / "medium.yaml")
+    out = Path(args.out or ROOT / "outputs" / "bench-learning-rl")
+    report: dict = {"benchmark": "learning", "stage": "rl", "recipe": recipe.name, "machine_cores": _cores(),
+                    "seeds": args.seeds}
+    t0 = time.time()
+    dataset = out / "distill" / "dataset"
+    cached = []
+    if not (dataset / "README.md").is_file():
+        run_distill_stage(recipe, out / "distill", show_progress=False)
+    else:
+        cached.append("distill")
+    report["distill_seconds"] = round(time.time() - t0, 1)
+    t1 = time.time()
+    init = out / "sft" / "final"
+    if not (init / "config.json").is_file():
+        run_sft_stage(recipe, dataset, out / "sft", show_progress=False)
+    else:
+        cached.append("sft")
+    report["sft_seconds"] = round(time.time() - t1, 1)
+    report["cached_stages"] = cached
+    runs: dict[str, list[dict]] = {"gigpo": [], "grpo": []}
+    for seed in args.seeds:
+        for alg in ("gigpo", "grpo"):
+            t1 = time.time()
+            run_dir = out / "rl" / f"{alg}-seed{seed}"
+            if (run_dir / "checkpoints").is_dir():
+                cached.append(f"{alg}-seed{seed} (resumed)")
+            s = GiGPOTrainer(recipe, run_dir, init, algorithm=alg, seed=seed,
+                             iterations=args.iterations, resume=True, show_progress=False).train()
+            runs[alg].append({"seed": seed, "seconds": round(time.time() - t1, 1),
+                              "rollout_episodes": s["rollout_episodes"],
+                              "initial": _tsr_gcr(s["initial_eval"]), "final": _tsr_gcr(s["final_eval"]),
+                              "train_success_first": s["train_success_first"],
+                              "train_success_last": s["train_success_last"]})
+            print(json.dumps({alg: runs[alg][-1]}), file=sys.stderr, flush=True)
+            (out / "learning_rl_partial.json").write_text(json.dumps({**report, "runs": runs}, indent=2))
+    report["runs"] = runs
+
+    def mean(alg: str, when: str, key: str = "tsr", diff: str = "all") -> float:
+        vals = [r[when][diff][key] for r in runs[alg] if r[when]]
+        return round(sum(vals) / len(vals), 4) if vals else float("nan")
+
+    sft_tsr = mean("gigpo", "initial")
+    report["test_tsr"] = {"sft": sft_tsr, "gigpo": mean("gigpo", "final"), "grpo": mean("grpo", "final")}
+    report["test_gcr"] = {"sft": mean("gigpo", "initial", "gcr"), "gigpo": mean("gigpo", "final", "gcr"),
+                          "grpo": mean("grpo", "final", "gcr")}
+    report["test_tsr_by_difficulty"] = {
+        alg: {d: mean(alg, "final", "tsr", d) for d in ("easy", "medium", "hard")} for alg in ("gigpo", "grpo")}
+    report["test_tsr_by_difficulty"]["sft"] = {d: mean("gigpo", "initial", "tsr", d)
+                                               for d in ("easy", "medium", "hard")}
+    gain = round(100 * (report["test_tsr"]["gigpo"] - sft_tsr), 1)
+    over = round(100 * (report["test_tsr"]["gigpo"] - report["test_tsr"]["grpo"]), 1)
+    report["gigpo_gain_over_sft_points"], report["gigpo_over_grpo_points"] = gain, over
+    # the main job's parts, when this invocation ran them all (nothing cached or resumed)
+    first = runs["gigpo"][0]["seconds"] if runs["gigpo"] else 0.0
+    report["main_job_minutes"] = None if cached else round((report["distill_seconds"] + report["sft_seconds"] +
+                                                             first) / 60, 2)
+    report["peak_rss_mb"] = _rss_mb()
+    report["acceptance"] = {"gigpo_gain_ge_10_points": gain >= 10, "gigpo_over_grpo_ge_5_points": over >= 5,
+                            "main_job_le_45_min": None if cached else report["main_job_minutes"] <= 45,
+                            "peak_memory_le_6_gb": max(report["peak_rss_mb"].values()) <= 6144,
+                            "seeds_ge_3": len(args.seeds) >= 3}
+    print(json.dumps(report, indent=2))
+
+
+def _tsr_gcr(ev: dict | None) -> dict | None:
+    if not ev:
+        return None
+    return {d: {"tsr": ev[d]["tsr"], "gcr": ev[d]["gcr"]} for d in ("easy", "medium", "hard", "all")}
 
 
 def _cores() -> int:

@@ -17,6 +17,7 @@ from rl.gigpo import (
     discounted_step_returns,
     episode_relative_advantages,
     get_advantage_estimator,
+    state_key_codes,
     step_relative_advantages,
 )
 
@@ -260,3 +261,155 @@ def test_randomized_against_per_row_reference(seed):
         expected = reference_advantages(**b, gamma=gamma, step_weight=step_weight, normalize=normalize, eps=EPS)
         got = compute_gigpo_advantages(**b, gamma=gamma, step_weight=step_weight, normalize=normalize)
         assert np.max(np.abs(got - expected), initial=0.0) <= 1e-9
+
+
+# ------------------------------------------------------------------------------- integer-coded (trainer) inputs
+
+
+def trainer_form(b):
+    """The same batch as a trainer passes it: int64 counters for groups and trajectories, anchor keys as
+    `state_key_codes` (int64 per distinct key, first-seen order)."""
+    return {**b, "group_ids": state_key_codes(b["group_ids"]), "traj_ids": state_key_codes(b["traj_ids"]),
+            "step_idx": b["step_idx"].astype(np.int64), "anchor_keys": state_key_codes(b["anchor_keys"])}
+
+
+def step_major(b):
+    """Rows reordered step-major (all step-0 rows, then all step-1 rows, ...), as batched environments emit."""
+    order = np.lexsort((b["traj_ids"], b["step_idx"]))
+    return {k: v[order] for k, v in b.items()}
+
+
+def hex_key(key) -> str:
+    return f"{hash(('state', key)) & (2**64 - 1):016x}"
+
+
+def test_state_key_codes():
+    codes = state_key_codes(["b", "a", "b", "c", "a"])
+    assert codes.dtype == np.int64 and codes.tolist() == [0, 1, 0, 2, 1]
+    assert state_key_codes(np.array(["x", "y", "x"])).tolist() == [0, 1, 0]
+    assert state_key_codes([]).shape == (0,)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_integer_codes_give_the_same_result_as_string_keys(seed):
+    """Anchor keys as strings, 16-digit hex strings, 64-bit ints and per-batch int64 codes (ids too): the same
+    advantages, also with the rows reordered step-major."""
+    rng = np.random.default_rng(100 + seed)
+    b = random_batch(rng, n_groups=int(rng.integers(2, 7)), rollouts=int(rng.integers(2, 7)), max_len=12,
+                     n_states=int(rng.integers(1, 6)), shared_states=bool(seed % 2), string_ids=True,
+                     gaps=seed % 3 == 2)
+    hexed = {**b, "anchor_keys": np.array([hex_key(k) for k in b["anchor_keys"].tolist()])}
+    as_int = {**b, "anchor_keys": np.array([int(k, 16) for k in hexed["anchor_keys"].tolist()], dtype=np.uint64)}
+    order = np.lexsort((b["traj_ids"], b["step_idx"]))
+    gamma = float(rng.choice([0.0, 0.5, 0.95, 1.0]))
+    for normalize in ("mean_std", "mean"):
+        kw = dict(gamma=gamma, normalize=normalize)
+        expected = reference_advantages(**b, step_weight=1.0, eps=EPS, **kw)
+        for form in (b, hexed, as_int, trainer_form(b), trainer_form(hexed)):
+            np.testing.assert_allclose(compute_gigpo_advantages(**form, **kw), expected, rtol=0, atol=1e-9)
+            reordered = {k: v[order] for k, v in form.items()}
+            np.testing.assert_allclose(compute_gigpo_advantages(**reordered, **kw), expected[order],
+                                       rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_trainer_form_against_per_row_reference(seed):
+    """Integer-coded, step-major batches (the fast path) and the same rows shuffled, against the reference."""
+    rng = np.random.default_rng(200 + seed)
+    b = trainer_form(random_batch(rng, n_groups=int(rng.integers(1, 6)), rollouts=int(rng.integers(1, 7)),
+                                  max_len=10, n_states=int(rng.integers(1, 6)), shared_states=seed % 4 == 3))
+    gamma = float(rng.choice([0.0, 0.5, 0.95, 1.0]))
+    step_weight = float(rng.choice([0.0, 0.3, 1.0]))
+    perm = rng.permutation(len(b["group_ids"]))
+    for rows in (step_major(b), {k: v[perm] for k, v in b.items()}):
+        for normalize in ("mean_std", "mean"):
+            kw = dict(gamma=gamma, step_weight=step_weight, normalize=normalize)
+            expected = reference_advantages(**rows, eps=EPS, **kw)
+            np.testing.assert_allclose(compute_gigpo_advantages(**rows, **kw), expected, rtol=0, atol=1e-9)
+
+
+def test_fast_and_general_paths_agree():
+    """int64 inputs take the fast path; the same values as int32 (or strings) take the general one."""
+    rng = np.random.default_rng(5)
+    b = step_major(trainer_form(random_batch(rng, n_groups=6, rollouts=5, max_len=15, n_states=4)))
+    as32 = {k: (v.astype(np.int32) if v.dtype == np.int64 else v) for k, v in b.items()}
+    as_str = {**b, "anchor_keys": b["anchor_keys"].astype(str)}
+    for normalize in ("mean_std", "mean"):
+        fast = compute_gigpo_advantages(**b, normalize=normalize)
+        for other in (as32, as_str):
+            np.testing.assert_allclose(compute_gigpo_advantages(**other, normalize=normalize), fast,
+                                       rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(compute_gigpo_advantages(**b, step_weight=0.0),
+                                  episode_relative_advantages(b["group_ids"], b["traj_ids"], b["episode_returns"]))
+
+
+def test_trainer_form_fallbacks_match_the_reference():
+    """Integer-coded inputs the fast path hands to the general path: an anchor code in two episode groups,
+    gaps in step_idx, trajectory codes far apart, a reward of -0.0, steps starting above 0."""
+    rng = np.random.default_rng(11)
+    base = step_major(trainer_form(random_batch(rng, n_groups=4, rollouts=4, max_len=9, n_states=3)))
+    shared = {**base, "anchor_keys": base["anchor_keys"] % 3}  # the same codes in every episode group
+    gaps = {**base, "step_idx": base["step_idx"] * 3}
+    spread = {**base, "traj_ids": base["traj_ids"] * 10_000}
+    neg_zero = {**base, "step_rewards": np.where(base["step_rewards"] == 0.0, -0.0, base["step_rewards"])}
+    offset = {**base, "step_idx": base["step_idx"] + 7}
+    for rows in (shared, gaps, spread, neg_zero, offset):
+        for normalize in ("mean_std", "mean"):
+            expected = reference_advantages(**rows, gamma=0.9, step_weight=1.0, normalize=normalize, eps=EPS)
+            got = compute_gigpo_advantages(**rows, gamma=0.9, normalize=normalize)
+            np.testing.assert_allclose(got, expected, rtol=0, atol=1e-9)
+
+
+def test_trainer_form_errors():
+    rows = trainer_form(HAND)  # trajectories A, B, C -> 0, 1, 2; group g -> 0
+    with pytest.raises(ValueError, match=r"duplicate \(traj_id, step_idx\) = \(1, 1\)"):
+        compute_gigpo_advantages(**{**rows, "step_idx": np.array([0, 1, 0, 1, 1, 0])})
+    with pytest.raises(ValueError, match="trajectory 1 spans two group_ids"):
+        compute_gigpo_advantages(**{**rows, "group_ids": np.array([0, 0, 0, 1, 0, 0])})
+    with pytest.raises(ValueError, match="episode_returns disagree within trajectory 1"):
+        compute_gigpo_advantages(**{**rows, "episode_returns": np.array([1, 1, 1, 1, 2, 0.0])})
+    with pytest.raises(ValueError, match="step_rewards must be finite"):
+        compute_gigpo_advantages(**{**rows, "step_rewards": np.array([0, 1, 0, 0, np.inf, 0])})
+
+
+def test_trainer_form_equal_returns_give_exactly_zero():
+    b = trainer_form(batch([(g, f"{g}-{i}", t, f"{g}-s{t}", 0.1) for g in ("g1", "g2") for i in range(4)
+                            for t in range(3)]))
+    for rows in (b, step_major(b)):
+        for normalize in ("mean_std", "mean"):
+            assert np.all(compute_gigpo_advantages(**rows, normalize=normalize) == 0.0)
+        assert np.all(compute_gigpo_advantages(**rows, eps=0.0) == 0.0)
+
+
+def test_results_are_fresh_arrays():
+    """Work arrays are reused between calls; what a call returns must not change with the next call."""
+    rng = np.random.default_rng(3)
+    b = step_major(trainer_form(random_batch(rng, n_groups=3, rollouts=4, max_len=8, n_states=3)))
+    first = compute_gigpo_advantages(**b)
+    kept = first.copy()
+    returns = discounted_step_returns(b["traj_ids"], b["step_idx"], b["step_rewards"])
+    kept_returns = returns.copy()
+    step_adv = step_relative_advantages(b["anchor_keys"], returns)
+    kept_step_adv = step_adv.copy()
+    other = {**b, "step_rewards": b["step_rewards"][::-1].copy(), "episode_returns": b["episode_returns"] * 2}
+    compute_gigpo_advantages(**other)
+    discounted_step_returns(other["traj_ids"], other["step_idx"], other["step_rewards"])
+    step_relative_advantages(other["anchor_keys"], other["step_rewards"])
+    np.testing.assert_array_equal(first, kept)
+    np.testing.assert_array_equal(returns, kept_returns)
+    np.testing.assert_array_equal(step_adv, kept_step_adv)
+    np.testing.assert_array_equal(compute_gigpo_advantages(**b), kept)
+
+
+def test_anchor_state_groups_same_for_every_key_form():
+    rng = np.random.default_rng(8)
+    b = random_batch(rng, n_groups=3, rollouts=3, max_len=6, n_states=3, shared_states=True, string_ids=True)
+    ids, stats = anchor_state_groups(b["group_ids"], b["anchor_keys"])
+    t = trainer_form(b)
+    ids_t, stats_t = anchor_state_groups(t["group_ids"], t["anchor_keys"])
+    hexed = np.array([hex_key(k) for k in b["anchor_keys"].tolist()])
+    ids_h, stats_h = anchor_state_groups(b["group_ids"], hexed)
+    assert stats == stats_t == stats_h
+    for other in (ids_t, ids_h):  # the same partition of the rows
+        pairs = set(zip(ids.tolist(), other.tolist(), strict=True))
+        assert len(pairs) == len(set(ids.tolist())) == len(set(other.tolist()))

@@ -261,11 +261,14 @@ def test_teacher_reads_only_the_belief(tiny_build):
 
 @pytest.fixture(scope="module")
 def medium_build():
-    return build_tasks(load_recipe(ROOT / "recipes" / "medium.yaml"), show_progress=False)
+    """Every scene at the GPU recipe's size (40 train and 10 test instructions per scene)."""
+    recipe = load_recipe(ROOT / "recipes" / "gpu" / "qwen2.5-1.5b-gigpo.yaml")
+    assert recipe.sandbox.scenes == "all" and recipe.sandbox.train_instructions_per_scene == 40
+    return build_tasks(recipe, show_progress=False)
 
 
-def test_medium_recipe_builds_and_the_teacher_solves_everything(medium_build):
-    """The main job's recipe at full size: ~1,200 candidate instances, every accepted one solved by the teacher."""
+def test_every_scene_builds_at_scale_and_the_teacher_solves_everything(medium_build):
+    """All scenes at the GPU recipe's size: ~1,200 candidate instances, every accepted one solved by the teacher."""
     splits, stats = medium_build
     assert stats["accepted"] > 600
     assert stats["expert_solved"] == 1.0
