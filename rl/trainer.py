@@ -581,7 +581,7 @@ def _complete_json(line: str) -> bool:
 
 
 def plot_curves(metrics_path: Path, png: Path, title: str = "") -> Path | None:
-    """Training success rate and mean return per iteration, and test TSR at each evaluation (PNG)."""
+    """Training success rate and mean return per iteration, and test TSR (and GCR) at each evaluation (PNG)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -599,6 +599,8 @@ def plot_curves(metrics_path: Path, png: Path, title: str = "") -> Path | None:
     axes[0].legend()
     for d in ("easy", "medium", "hard", "all"):
         axes[1].plot([r["iteration"] for r in evals], [r[d]["tsr"] for r in evals], marker="o", label=f"test TSR {d}")
+    axes[1].plot([r["iteration"] for r in evals], [r["all"]["gcr"] for r in evals], "k--", marker="x",
+                 label="test GCR all")
     axes[1].set_xlabel("iteration")
     axes[1].set_ylim(-0.02, 1.02)
     axes[1].legend(fontsize=7)
