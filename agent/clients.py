@@ -235,6 +235,19 @@ def _torch_dtype(torch: Any, dtype: Any) -> Any:
     return value
 
 
+def left_pad(seqs: list[list[int]], pad_id: int):
+    """(ids, attention mask) tensors of token-id lists, left-padded so every prompt ends where generation
+    starts."""
+    import torch
+    width = max(len(e) for e in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, e in enumerate(seqs):
+        ids[row, width - len(e):] = torch.tensor(e, dtype=torch.long)
+        mask[row, width - len(e):] = 1
+    return ids, mask
+
+
 class TransformersClient:
     """A local causal LM. Prompts are `tokenizer.apply_chat_template(messages, tools=tools,
     add_generation_prompt=True)`; decoding is greedy at temperature 0, else sampled with the RNG seeded from
@@ -329,12 +342,8 @@ class TransformersClient:
         seed = self.seed if seed is None else seed
         encoded = [self.tokenizer(self.render_prompt(m, tools), add_special_tokens=False)["input_ids"]
                    for m in batch]
-        width = max(len(e) for e in encoded)
-        ids = torch.full((len(encoded), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(encoded), width), dtype=torch.long)
-        for row, e in enumerate(encoded):  # left padding: every prompt ends where generation starts
-            ids[row, width - len(e):] = torch.tensor(e, dtype=torch.long)
-            mask[row, width - len(e):] = 1
+        ids, mask = left_pad(encoded, self.pad_id)
+        width = ids.shape[1]
         gen: dict[str, Any] = {"max_new_tokens": self.max_new_tokens if max_tokens is None else max_tokens,
                                "pad_token_id": self.pad_id, "eos_token_id": self.eos_ids}
         if temperature > 0:

@@ -73,6 +73,8 @@ class TransformersEngine(_Tokens):
     def generate(self, prompt_ids: list[list[int]], temperature: float, max_new_tokens: int,
                  seed: int) -> list[tuple[list[int], list[float]]]:
         import torch
+
+        from agent.clients import left_pad
         out: list[tuple[list[int], list[float]]] = []
         model = self.model
         was_training = model.training
@@ -81,12 +83,8 @@ class TransformersEngine(_Tokens):
         try:
             for lo in range(0, len(prompt_ids), self.batch_size):
                 chunk = prompt_ids[lo: lo + self.batch_size]
-                width = max(len(p) for p in chunk)
-                ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
-                mask = torch.zeros((len(chunk), width), dtype=torch.long)
-                for row, p in enumerate(chunk):  # left padding: every prompt ends where generation starts
-                    ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
-                    mask[row, width - len(p):] = 1
+                ids, mask = left_pad(chunk, self.pad_id)
+                width = ids.shape[1]
                 config = model.generation_config.__class__.from_dict(model.generation_config.to_dict())
                 config.update(max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_p=1.0,
                               top_k=0, pad_token_id=self.pad_id, eos_token_id=self.stop_ids,
