@@ -221,7 +221,8 @@ class GiGPOTrainer:
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         return {k: float(v) for k, v in zip(keys, t.tolist(), strict=True)}
 
-    def _logprobs(self, model, rows: list, temperature: float, grad: bool, entropy: bool = False):
+    def _logprobs(self, model, rows: list, temperature: float, entropy: bool = False):
+        """Pack rows and score their response ids (the caller decides about gradients)."""
         from rl.loss import pack, token_logprobs
         packed = pack([r.prompt_ids for r in rows], [r.response_ids for r in rows], self.pad_id)
         return packed, token_logprobs(model, packed, temperature, with_entropy=entropy)
@@ -281,11 +282,11 @@ class GiGPOTrainer:
                     for i in part:
                         old[i] = torch.tensor(rows[i].logprobs, dtype=torch.float32)
                 else:
-                    _, (lp, _) = self._logprobs(unwrapped, [rows[i] for i in part], cfg.temperature, grad=False)
+                    _, (lp, _) = self._logprobs(unwrapped, [rows[i] for i in part], cfg.temperature)
                     for j, i in enumerate(part):
                         old[i] = lp[j, : len(rows[i].response_ids)].clone()
                 if self.ref is not None:
-                    _, (rl_, _) = self._logprobs(self.ref, [rows[i] for i in part], cfg.temperature, grad=False)
+                    _, (rl_, _) = self._logprobs(self.ref, [rows[i] for i in part], cfg.temperature)
                     for j, i in enumerate(part):
                         ref[i] = rl_[j, : len(rows[i].response_ids)].clone()
         stats = {"loss": 0.0, "clipped_tokens": 0.0, "ratio_sum": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0,
@@ -310,12 +311,12 @@ class GiGPOTrainer:
                         if chunk is None or len(chunk) == 0:
                             # keeps every process's collective calls in step; contributes a zero gradient
                             packed, (lp, _) = self._logprobs(model, [rows[0] if rows else samples[0]],
-                                                             cfg.temperature, grad=True)
+                                                             cfg.temperature)
                             loss = lp.sum() * 0.0
                         else:
                             idx = [active[int(c)] for c in chunk]
                             sel = [rows[i] for i in idx]
-                            packed, (lp, ent) = self._logprobs(model, sel, cfg.temperature, grad=True,
+                            packed, (lp, ent) = self._logprobs(model, sel, cfg.temperature,
                                                                entropy=True)
                             old_t = torch.zeros_like(lp)
                             ref_t = torch.zeros_like(lp) if self.ref is not None else None
