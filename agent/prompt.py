@@ -1,15 +1,16 @@
 """The per-step prompt builder shared by teacher, SFT data, RL rollouts and evaluation.
 
-A step prompt is: the system message (role and rules), then one user message with the known map, known
-facts, the memory of recent steps, the current observation, and last the task (next to the decision it
-governs, where even a tiny model reads it). It is built from the instruction and the agent's belief only
-(`sandbox.observation.known_map`), so it carries no hidden state.
-The user message ends with a fixed line, so the assistant turn always starts at the chat template's
+A step prompt is: the system message (role and rules), then one user message with the known map (places,
+doors, the places not yet visited nearest first, objects), known facts, the memory of recent steps, the current
+observation, and last the task (next to the decision it governs, where even a tiny model reads it). It is built
+from the instruction and the agent's belief only (`sandbox.observation.known_map`), so it carries no hidden
+state. The user message ends with a fixed line, so the assistant turn always starts at the chat template's
 special tokens and never inside a BPE merge.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 SYSTEM_PROMPT = (
@@ -41,8 +42,22 @@ class StepMemory:
 
 
 def _place(pid: str, name: str, landmarks: list[str]) -> str:
-    text = pid if name == pid.replace("_", " ") else f"{pid} ({name})"
+    text = pid if name == pid.replace("_", " ") else f"{pid} {name}"
     return text + (f" [{', '.join(landmarks)}]" if landmarks else "")
+
+
+def _door(cid: str, a: str, b: str, state: str) -> str:
+    # built scenes name a door after the places it joins (`blue_door_room_0_2_room_1_2`); other ids say them
+    return f"{cid} {state}" if a in cid and b in cid else f"{cid} {state} ({a}-{b})"
+
+
+_EXITS = re.compile(r" ?Exits: [^.]*\.")
+
+
+def abridged(observation: str) -> str:
+    """The observation without its `Exits: ...` sentence: the known map above it lists the same places and doors,
+    and a small student reads a prompt a third shorter (every token of it costs, at training and in rollouts)."""
+    return _EXITS.sub("", observation, count=1)
 
 
 def render_known(known: dict) -> str:
@@ -51,18 +66,22 @@ def render_known(known: dict) -> str:
     marks = known.get("landmarks", {})
     lines = [f"At: {known['place']}. Holding: {', '.join(known['holding']) or 'nothing'}.",
              "Places: " + ", ".join(_place(pid, name, marks.get(pid, [])) for pid, name in known["places"])]
-    # doors only: plain passages need no id and no action (navigate finds routes), and each place's exits are
-    # in the observation when the agent stands there
-    doors = [f"{a}-{b} ({cid} {door})" for cid, a, b, door in known["connections"] if door]
+    # doors only: plain passages need no id and no action (navigate finds routes over the known map)
+    doors = [_door(cid, a, b, door) for cid, a, b, door in known["connections"] if door]
     if doors:
         lines.append("Doors: " + ", ".join(doors))
+    if known.get("unvisited"):
+        # nearest first (over the known map): where to look next for something not yet seen is the first one
+        lines.append("Unvisited: " + ", ".join(known["unvisited"]))
     if known["objects"]:
         # an object on or in a landmark also names the landmark's place: where to go is one look-up, not two
         where = {lm: pid for pid, lms in marks.items() for lm in lms}
         # ids stand as words (" at kitchen", not "@kitchen"), so a BPE tokenizer splits an id the same way here as
         # in a call ("navigate kitchen")
+        # the name comes first and the id right after it, as in observations ("grey ball [ball_2]"): the id to
+        # copy into a call then follows the words that the instruction matches
         lines.append("Objects: " + "; ".join(
-            f"{oid} {name} " + ("held" if loc == "held" else f"at {where[loc]} {loc}" if loc in where else f"at {loc}")
+            f"{name} {oid} " + ("held" if loc == "held" else f"at {where[loc]} {loc}" if loc in where else f"at {loc}")
             for oid, name, loc in known["objects"]))
     if known["people"]:
         lines.append("People: " + "; ".join(f"{pid} {name}, {role} at {loc}" for pid, name, role, loc
@@ -78,7 +97,7 @@ def build_step_messages(instruction: str, known: dict, memory: StepMemory, obser
         parts.append("Facts: " + "; ".join(known["facts"]))
     if memory.steps:
         parts.append("Recent:\n" + "\n".join(f"- {c} -> {r}" for c, r in memory.steps))
-    parts.append(f"Observation: {observation}")
+    parts.append(f"Observation: {abridged(observation)}")
     # the task closes the prompt, right before the decision: what to do next is read against it
     parts.append(f"Task: {instruction}")
     parts.append("Next skill call?")

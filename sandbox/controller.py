@@ -193,6 +193,7 @@ class EnvController:
         here = w.agent_place
         seen = []
         learned = w.learned
+        w.visited.add(here)
         for oid in c.openable_fixtures_at[here]:  # fixtures are landmarks on the map; only their state is news
             is_open, is_closed = c.open_facts[oid]
             if w.obj[oid]["open"]:

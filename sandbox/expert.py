@@ -150,7 +150,6 @@ class Memory:
     ambiguous_seen: set = field(default_factory=set)
     placed_next: set = field(default_factory=set)
     told: dict = field(default_factory=dict)        # topic -> reply text
-    looked: set = field(default_factory=set)        # places seen on arrival
     gave_up: bool = False
     commit: dict = field(default_factory=dict)      # destination -> the obstacle being dealt with
     no_key: set = field(default_factory=set)        # locked doors whose key cannot be reached
@@ -190,7 +189,6 @@ class ExpertPlanner:
             self.m.tried[key] = self.m.tried.get(key, 0) + 1
         n = call["name"]
         a = call.get("arguments", {})
-        self.m.looked.add(self.k.here)
         if n == "search":
             self.m.searched.add((self.k.here, a["query"]))
         if n in ("talk_to", "ask_for_help"):
@@ -388,9 +386,12 @@ class ExpertPlanner:
                 d = cost(pp)
                 if d is not None:
                     options.append((d + 0.5, "person", pid, pp))
-        self.m.looked.add(k.here)
-        for p in sorted(self.ctrl.w.known_places):
-            if p != k.here and (p, q) not in self.m.searched and (p not in self.m.looked or self._needs_search(p)):
+        # places not yet visited, in the order the prompt lists them (`World.unvisited`), then visited ones with
+        # closed things not yet searched for it
+        w = self.ctrl.w
+        options += [(d, "place", p, p) for d, p in w.unvisited(k.route) if (p, q) not in self.m.searched]
+        for p in sorted(w.visited):
+            if p != k.here and (p, q) not in self.m.searched and self._needs_search(p):
                 d = cost(p)
                 if d is not None:
                     options.append((d, "place", p, p))

@@ -43,5 +43,5 @@ def known_map(w: World) -> dict:
             facts.append(f"{oid} belongs to {c.person[who].name if who in c.person else who}")
     facts += list(w.notes.values())
     return {"place": w.agent_place, "holding": list(w.holding), "places": places, "landmarks": landmarks,
-            "connections": conns,
+            "connections": conns, "unvisited": [p for _, p in w.unvisited()],
             "objects": objects, "people": people, "facts": facts}

@@ -84,7 +84,7 @@ class World:
 
     __slots__ = ("c", "agent_place", "agent_near", "holding", "capacity", "obj", "door", "blocked", "restricted",
                  "hidden", "person_place", "asks", "helped", "known_places", "known_conns", "known_obj",
-                 "known_door", "known_person", "learned", "notes", "reports", "finished", "latched", "_key",
+                 "known_door", "known_person", "visited", "learned", "notes", "reports", "finished", "latched", "_key",
                  "_sorted_cache", "_routes", "_obj_canon")
 
     def __init__(self, c: Compiled):
@@ -119,6 +119,7 @@ class World:
         w.known_obj = {o.id: o.last_seen for o in view.objects}
         w.known_obj.update({h: HELD for h in st.agent.holding})
         w.known_person = {p.id: p.last_seen for p in view.people}
+        w.visited = set()  # places the agent has stood in and looked at (the first look adds the start)
         w.learned = set()
         w.notes = {}
         w.reports = []
@@ -137,7 +138,7 @@ class World:
         w.person_place, w.asks, w.helped = dict(self.person_place), dict(self.asks), set(self.helped)
         w.known_places, w.known_conns = set(self.known_places), set(self.known_conns)
         w.known_door, w.known_obj = dict(self.known_door), dict(self.known_obj)
-        w.known_person = dict(self.known_person)
+        w.known_person, w.visited = dict(self.known_person), set(self.visited)
         w.learned, w.reports, w.notes = set(self.learned), list(self.reports), dict(self.notes)
         w.finished, w.latched, w._key = self.finished, self.latched, self._key
         w._sorted_cache = dict(self._sorted_cache)
@@ -164,7 +165,7 @@ class World:
         return w.state_key()
 
     def _sorted(self, name: str, items) -> tuple:
-        """Sorted tuple of a set that only grows (known_places, helped) or only shrinks (hidden): its length is
+        """Sorted tuple of a set that only grows (known_places, visited, helped) or only shrinks (hidden): its length is
         its version, so the sort is redone only when it changed."""
         cached = self._sorted_cache.get(name)
         if cached is None or cached[0] != len(items):
@@ -191,7 +192,8 @@ class World:
                 # fixtures never move, so only portable objects' believed positions can differ
                 tuple(map(self.known_obj.get, self.c.portable)),
                 tuple(map(self.known_person.get, self.c.person_order)),
-                self._sorted("known_places", self.known_places), self.reports[-1] if self.reports else None,
+                self._sorted("known_places", self.known_places), self._sorted("visited", self.visited),
+                self.reports[-1] if self.reports else None,
                 self.latched, self.finished,
             )
             # marshal version 2 has no back-references, so equal tuples give equal bytes in every process
@@ -297,3 +299,30 @@ class World:
         if extra is None:
             self._routes[key] = found
         return None if found is None else list(found)
+
+    def unvisited(self, route=None) -> list[tuple[int, str]]:
+        """Known places the agent has not been in, nearest first: `(cost, place)` sorted by cost then id.
+
+        The cost is the length of the shortest known route that avoids known obstacles, or 100 plus the length
+        of one through them (going there means dealing with an obstacle first); places with no known route are
+        left out. `route(goal, avoid)` replaces the known-map route (the oracle expert avoids true obstacles).
+        This one order is what the prompt shows and what the teacher explores by, so the student can read the
+        teacher's next exploration step off its prompt.
+        """
+        if route is None:
+            def route(goal: str, avoid: bool):
+                return self.known_route(self.agent_place, goal, avoid_obstacles=avoid)
+        out = []
+        for p in self._sorted("known_places", self.known_places):
+            if p in self.visited or p == self.agent_place:
+                continue
+            r = route(p, True)
+            if r is None:
+                r = route(p, False)
+                if r is None:
+                    continue
+                out.append((100 + len(r), p))
+            else:
+                out.append((len(r), p))
+        out.sort()
+        return out

@@ -97,10 +97,14 @@ def corpus_texts(rows: Iterable[dict]) -> Iterable[str]:
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, reasoning: bool = False):
     """A byte-level BPE tokenizer trained on `texts`, with the chat special tokens and the tiny template."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))
+    # an id is the same token wherever it stands: "[ball_2]" and "navigate(room_0_1)" read as "[ ball_2]" and
+    # "( room_0_1)", so the id carries the leading space it has in lists and calls (" ball_2"); otherwise each id
+    # is two unrelated tokens and copying one from an observation into a call must first learn the pairing
+    tok.normalizer = normalizers.Sequence([normalizers.Replace("[", "[ "), normalizers.Replace("(", "( ")])
     # ids stay whole words (`kitchen_counter`, `door_hallway_kitchen`, `charger_1`): copying an id from the
     # prompt into a call is then one token to copy, and prompts are shorter than with GPT-2's split at "_"
     tok.pre_tokenizer = pre_tokenizers.Sequence([

@@ -276,3 +276,23 @@ def test_distill_cli_runs_and_rejects_bad_recipes(tmp_path):
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     assert summary["episodes"] == 12 and summary["kept"] + summary["rejected"] == 12
+
+
+def test_the_teacher_explores_in_the_order_its_prompt_shows(distilled):
+    """A teacher navigation to a place it has not visited, while its target is not on the known map, goes to the
+    first place of the prompt's `Unvisited:` line: the student can read where the teacher looks next."""
+    _, out = distilled
+    rows = list(_load(out, "step")["train"])
+    explored = 0
+    for r in rows:
+        prompt = r["messages"][1]["content"]
+        call = r["messages"][2]["tool_calls"][0]["function"]
+        args = json.loads(call["arguments"]) if isinstance(call["arguments"], str) else call["arguments"]
+        line = next((ln for ln in prompt.splitlines() if ln.startswith("Unvisited: ")), None)
+        if call["name"] != "navigate" or line is None:
+            continue
+        unvisited = line.removeprefix("Unvisited: ").split(", ")
+        if args["target"] in unvisited and "haven't searched" in (r["messages"][2]["content"] or ""):
+            assert args["target"] == unvisited[0], (prompt, args)
+            explored += 1
+    assert explored >= 20

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.prompt import StepMemory, build_step_messages, prompt_text
+from agent.prompt import StepMemory, build_step_messages, prompt_text, render_known
 from pipeline.recipe import RecipeError, load_recipe
 from pipeline.stages import build_tasks, load_tasks, run_eval, write_build
 from sandbox.builder import BuildConfig, hidden_strings, validate_instance
@@ -307,7 +307,8 @@ def test_state_key_caches_match_a_fresh_computation(tiny_build):
 
 def test_prompt_shows_where_objects_are_and_only_doors(tiny_build):
     """An object on or in a landmark names the landmark's place (one look-up to know where to go); links are
-    listed only when they are doors, with their ids and states; the memory keeps each step's first sentence."""
+    listed only when they are doors, with their ids and states (and the places they join when the id does not
+    name them); the observation in the prompt drops its exits; the memory keeps each step's first sentence."""
     out, _ = tiny_build
     seen_on_landmark = 0
     for t in _all_tasks(out)[:40]:
@@ -323,10 +324,16 @@ def test_prompt_shows_where_objects_are_and_only_doors(tiny_build):
         doors = [c for c in known["connections"] if c[3]]
         plain = [c for c in known["connections"] if not c[3]]
         for cid, a, b, state in doors:
-            assert f"{a}-{b} ({cid} {state})" in text
+            assert (f"{cid} {state}" if a in cid and b in cid else f"{cid} {state} ({a}-{b})") in text
         for cid, *_ in plain:
             assert cid not in text.split("Observation:")[0]
+        assert "Exits:" in obs and "Exits:" not in text
+        assert text.split("Observation: ", 1)[1].startswith(obs.split(" Exits: ", 1)[0])
     assert seen_on_landmark > 5
+    text = render_known({"place": "hall", "holding": [], "places": [("hall", "hall"), ("kitchen", "kitchen")],
+                         "landmarks": {}, "connections": [("door_x", "hall", "kitchen", "closed")], "objects": [],
+                         "people": [], "unvisited": ["kitchen"]})
+    assert "Doors: door_x closed (hall-kitchen)" in text and "Unvisited: kitchen" in text
     mem = StepMemory()
     mem.add({"name": "navigate", "arguments": {"target": "kitchen"}}, None,
             "You are in the kitchen [kitchen]. You see: a table [table_1]. Exits: hall [hall].")

@@ -55,6 +55,23 @@ def test_compact_rendering_round_trips_every_teacher_call(step_rows, tok):
         assert body == f"<tool_call>{render_compact(gold['name'], gold['arguments'])}</tool_call><|end|>"
 
 
+def test_an_id_is_one_and_the_same_token_in_lists_brackets_and_calls(step_rows, tok):
+    """ " ball_2" in a list, "[ball_2]" in an observation, "navigate(room_0_1)" in the memory and the compact call
+    all carry an id as the same tokens (a frequent id is one token), so copying an id is copying those tokens."""
+    def contains(tokens: list[str], part: list[str]) -> bool:
+        return any(tokens[i: i + len(part)] == part for i in range(len(tokens)))
+
+    row = next(r for r in step_rows if "[" in r["messages"][1]["content"])
+    oid = row["messages"][1]["content"].split("[", 1)[1].split("]", 1)[0]
+    part = tok.tokenize(" " + oid)
+    for text in (f"You see: a thing [{oid}].", f"Objects: thing {oid} at here", f"- navigate({oid}) -> ok"):
+        assert contains(tok.tokenize(text), part), (text, tok.tokenize(text), part)
+    call = tok.apply_chat_template(row["messages"][:2] + [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "pick_up", "arguments": {"object": oid}}}]}], tokenize=False)
+    assert contains(tok.tokenize(call.rsplit("<|assistant|>", 1)[1]), part)
+
+
 def test_trl_tokenizes_the_dataset_and_masks_exactly_the_assistant_tokens(sft_dataset, tok, tmp_path):
     from trl import SFTConfig, SFTTrainer
     ds = load_sft_dataset(sft_dataset, "step")

@@ -11,6 +11,7 @@ import pytest
 
 from sandbox.builder import resolve_trigger
 from sandbox.controller import EnvController, report_matches
+from sandbox.observation import known_map
 from sandbox.schema import ERROR_CODES, TRIGGER_KINDS, NextTo, ObjectAt, Reported, TaskInstance, Told
 from sandbox.world import HELD, Compiled
 
@@ -698,3 +699,22 @@ def test_bug_invalid_call_latches_a_subgoal_met_at_reset():
     res = do(c, "navigate", target="atlantis")
     assert res.error == "unknown_entity"
     assert res.subgoals_met == [] and res.state_key == before, res
+
+
+def test_visited_places_and_the_nearest_unvisited_first(ctrl):
+    """The belief keeps the places the agent has stood in; `unvisited()` lists the others nearest first over the
+    known map, a place behind a known obstacle last; being somewhere is part of the state key."""
+    w = ctrl.w
+    start_key = w.state_key()
+    assert w.visited == {"hall"}
+    order = w.unvisited()
+    assert [p for _, p in order] and "hall" not in [p for _, p in order]
+    assert [d for d, _ in order] == sorted(d for d, _ in order)
+    ok(ctrl, "navigate", target="kitchen")
+    ok(ctrl, "navigate", target="hall")
+    assert w.visited == {"hall", "kitchen"} and "kitchen" not in [p for _, p in w.unvisited()]
+    assert w.state_key() != start_key  # same place, but it now knows the kitchen from the inside
+    assert do(ctrl, "navigate", target="storage").error is not None  # the storage door turns out to be locked
+    cost = dict((p, d) for d, p in w.unvisited())
+    assert cost["storage"] >= 100 and all(d < 100 for p, d in cost.items() if p != "storage")
+    assert known_map(w)["unvisited"] == [p for _, p in w.unvisited()]
