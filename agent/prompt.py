@@ -56,7 +56,7 @@ _EXITS = re.compile(r" ?Exits: [^.]*\.")
 
 def abridged(observation: str) -> str:
     """The observation without its `Exits: ...` sentence: the known map above it lists the same places and doors,
-    and a small student reads a prompt a third shorter (every token of it costs, at training and in rollouts)."""
+    and a small student reads a shorter prompt (every token of it costs, at training and in rollouts)."""
     return _EXITS.sub("", observation, count=1)
 
 
