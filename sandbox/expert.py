@@ -373,11 +373,7 @@ class ExpertPlanner:
         # the nearest person not yet asked or unsearched place; those behind a known obstacle come last
         # (reaching them means dealing with it: a key, a detour or a helper)
         def cost(place: str) -> float | None:
-            r = k.route(place)
-            if r is not None:
-                return len(r)
-            r = k.route(place, avoid=False)
-            return None if r is None else 100 + len(r)
+            return self.ctrl.w.route_cost(place, k.route)
 
         options = []
         for pid in k.people():

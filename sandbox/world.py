@@ -300,29 +300,30 @@ class World:
             self._routes[key] = found
         return None if found is None else list(found)
 
-    def unvisited(self, route=None) -> list[tuple[int, str]]:
-        """Known places the agent has not been in, nearest first: `(cost, place)` sorted by cost then id.
-
-        The cost is the length of the shortest known route that avoids known obstacles, or 100 plus the length
-        of one through them (going there means dealing with an obstacle first); places with no known route are
-        left out. `route(goal, avoid)` replaces the known-map route (the oracle expert avoids true obstacles).
-        This one order is what the prompt shows and what the teacher explores by, so the student can read the
-        teacher's next exploration step off its prompt.
-        """
+    def route_cost(self, goal: str, route=None) -> int | None:
+        """How far `goal` is for the agent: the length of the shortest known route that avoids known obstacles, or
+        100 plus the length of one through them (going there means dealing with an obstacle first); None with no
+        known route. `route(goal, avoid)` replaces the known-map route (the oracle expert avoids true obstacles)."""
         if route is None:
-            def route(goal: str, avoid: bool):
-                return self.known_route(self.agent_place, goal, avoid_obstacles=avoid)
+            def route(g: str, avoid: bool):
+                return self.known_route(self.agent_place, g, avoid_obstacles=avoid)
+        r = route(goal, True)
+        if r is not None:
+            return len(r)
+        r = route(goal, False)
+        return None if r is None else 100 + len(r)
+
+    def unvisited(self, route=None) -> list[tuple[int, str]]:
+        """Known places the agent has not been in, nearest first: `(cost, place)` sorted by `route_cost` then id
+        (places with no known route are left out). This one order is what the prompt shows and what the teacher
+        explores by, so the student can read the teacher's next exploration step off its prompt.
+        """
         out = []
         for p in self._sorted("known_places", self.known_places):
             if p in self.visited or p == self.agent_place:
                 continue
-            r = route(p, True)
-            if r is None:
-                r = route(p, False)
-                if r is None:
-                    continue
-                out.append((100 + len(r), p))
-            else:
-                out.append((len(r), p))
+            d = self.route_cost(p, route)
+            if d is not None:
+                out.append((d, p))
         out.sort()
         return out
