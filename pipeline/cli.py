@@ -37,14 +37,50 @@ def build(recipe: Path = typer.Argument(..., help="recipe YAML"),
 def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
              policy: str = typer.Option("expert", help="expert | random | PATH (a model folder, e.g. "
                                                        "outputs/tiny/sft/final)"),
-             split: str = typer.Option("test", help="train | test"),
+             split: str = typer.Option("test", help="train | test (sandbox only)"),
              out: Path = typer.Option(..., "--out", help="output folder for metrics.json"),
              tasks: Optional[Path] = typer.Option(None, help="folder written by `embodistill build` (else built)"),
+             env: str = typer.Option("sandbox", help="sandbox, or babyai:LEVEL for pixel evaluation on a BabyAI "
+                                                     "level (e.g. babyai:GoTo)"),
+             episodes: int = typer.Option(50, help="babyai: episodes (seeds from the recipe's eval seed)"),
+             view: str = typer.Option("topdown", help="babyai: topdown (the whole frame) | topdown-fov (objects "
+                                                      "only inside the highlighted field of view)"),
+             vision_model: Optional[str] = typer.Option(None, help="babyai: perceive frames with this "
+                                                                   "OpenAI-compatible vision model instead of the "
+                                                                   "sprite detector"),
+             vision_base_url: Optional[str] = typer.Option(None, help="babyai: the vision model's endpoint"),
              quiet: bool = typer.Option(False, help="no progress bar")):
-    """Run a policy on a split and write metrics.json (TSR, GCR, steps, invalid-action rate per difficulty)."""
-    from pipeline.stages import run_eval
+    """Run a policy on a split (sandbox) or on a BabyAI level from RGB frames (babyai:LEVEL) and write
+    metrics.json: TSR, GCR, steps, invalid-action rate per difficulty; or success with a Wilson interval, steps
+    against BabyAI's bot, deadlocks and perception accuracy, with report.md and frame strips."""
     if policy not in ("expert", "random") and not (Path(policy) / "config.json").is_file():
         _fail(f"--policy must be expert, random or a model folder with config.json, not {policy!r}")
+    if env.startswith("babyai:"):
+        from tqdm import tqdm
+
+        from evaluation.babyai import LEVELS, VIEWS, evaluate_babyai
+        level = env.split(":", 1)[1]
+        if level not in LEVELS:
+            _fail(f"unknown BabyAI level {level!r}; available: {', '.join(LEVELS)}")
+        if view not in VIEWS:
+            _fail(f"--view must be one of {', '.join(VIEWS)}, not {view!r}")
+        if episodes < 1:
+            _fail(f"--episodes must be >= 1, not {episodes}")
+        try:
+            r = load_recipe(recipe)
+        except RecipeError as e:
+            _fail(str(e))
+        bar = tqdm(total=episodes, desc=f"{policy} on {level}", unit="ep", disable=quiet)
+        m = evaluate_babyai(level, policy, episodes, out, seed=r.eval.seed, view=view, progress=bar.update,
+                            vision_model=vision_model, vision_base_url=vision_base_url)
+        bar.close()
+        typer.echo(json.dumps({k: m[k] for k in ("level", "policy", "episodes", "success_rate", "success_wilson95",
+                                                 "mean_steps", "step_ratio_to_bot", "invalid_action_rate",
+                                                 "deadlocks", "perception_accuracy")}))
+        return
+    if env != "sandbox":
+        _fail(f"--env must be sandbox or babyai:LEVEL, not {env!r}")
+    from pipeline.stages import run_eval
     if split not in ("train", "test"):
         _fail(f"--split must be train or test, not {split!r}")
     try:

@@ -13,7 +13,7 @@ from typing import Any
 
 from sandbox.human import HumanAgent
 from sandbox.schema import TaskInstance
-from sandbox.skills import SKILLS
+from sandbox.skills import SKILLS, CallError, check_call
 from sandbox.world import HELD, Compiled, World
 
 
@@ -91,42 +91,10 @@ class EnvController:
         """Check the call's shape against the skill specs: (name, arguments) or an error result."""
         if self.done:
             return self._err("episode_over", "The episode is over.")
-        if not isinstance(call, dict):
-            return self._err("bad_arguments", "A tool call must be an object with a name and arguments.")
-        name = call.get("name")
-        if not isinstance(name, str) or name not in SKILLS:
-            shown = name if isinstance(name, str) else type(name).__name__
-            return self._err("unknown_tool", f"There is no skill called {shown[:40]!r}.")
-        args = call.get("arguments", {})
-        if args is None:
-            args = {}
-        if not isinstance(args, dict):
-            return self._err("bad_arguments", f"The arguments of {name} must be an object.")
-        skill = SKILLS[name]
-        allowed = skill.allowed
-        for k in args:
-            if k not in allowed:
-                return self._err("extra_argument", f"{name} takes no argument {str(k)[:40]!r}.")
-        if len(args) < len(allowed):
-            missing = sorted(skill.required - set(args))
-            if missing:
-                return self._err("missing_argument", f"{name} needs the argument {missing[0]!r}.")
-        clean: dict[str, str] = {}
-        for p in skill.params:
-            if p.name not in args:
-                continue
-            v = args[p.name]
-            if not isinstance(v, str):
-                return self._err("bad_argument_type", f"{name}.{p.name} must be a string.")
-            v = v.strip()
-            if p.required and not v:
-                return self._err("bad_argument_value", f"{name}.{p.name} is empty.")
-            if len(v) > p.max_length:
-                return self._err("bad_argument_value", f"{name}.{p.name} is too long.")
-            if p.enum is not None and v not in p.enum:
-                return self._err("bad_argument_value", f"{name}.{p.name} must be one of {', '.join(p.enum)}.")
-            clean[p.name] = v
-        return name, clean
+        checked = check_call(call)
+        if isinstance(checked, CallError):
+            return self._err(checked.code, checked.text)
+        return checked
 
     def step(self, call: Any) -> StepResult:
         if self.w is self.compiled.initial:  # stepping without reset(): never mutate the shared initial world

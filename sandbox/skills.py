@@ -86,3 +86,52 @@ SKILLS: dict[str, Skill] = {
 }
 
 SKILL_NAMES: tuple[str, ...] = tuple(SKILLS)
+
+
+@dataclass(frozen=True)
+class CallError:
+    """Why a call's shape is wrong: an error code (the controller's vocabulary) and the text the agent reads."""
+
+    code: str
+    text: str
+
+
+def check_call(call) -> tuple[str, dict[str, str]] | CallError:
+    """Check a call's shape against the skill specs: (name, cleaned string arguments) or a `CallError`. Every
+    backend that executes skills (the sandbox, the pixel skill executor) reads calls through this one check."""
+    if not isinstance(call, dict):
+        return CallError("bad_arguments", "A tool call must be an object with a name and arguments.")
+    name = call.get("name")
+    if not isinstance(name, str) or name not in SKILLS:
+        shown = name if isinstance(name, str) else type(name).__name__
+        return CallError("unknown_tool", f"There is no skill called {shown[:40]!r}.")
+    args = call.get("arguments", {})
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        return CallError("bad_arguments", f"The arguments of {name} must be an object.")
+    skill = SKILLS[name]
+    allowed = skill.allowed
+    for k in args:
+        if k not in allowed:
+            return CallError("extra_argument", f"{name} takes no argument {str(k)[:40]!r}.")
+    if len(args) < len(allowed):
+        missing = sorted(skill.required - set(args))
+        if missing:
+            return CallError("missing_argument", f"{name} needs the argument {missing[0]!r}.")
+    clean: dict[str, str] = {}
+    for p in skill.params:
+        if p.name not in args:
+            continue
+        v = args[p.name]
+        if not isinstance(v, str):
+            return CallError("bad_argument_type", f"{name}.{p.name} must be a string.")
+        v = v.strip()
+        if p.required and not v:
+            return CallError("bad_argument_value", f"{name}.{p.name} is empty.")
+        if len(v) > p.max_length:
+            return CallError("bad_argument_value", f"{name}.{p.name} is too long.")
+        if p.enum is not None and v not in p.enum:
+            return CallError("bad_argument_value", f"{name}.{p.name} must be one of {', '.join(p.enum)}.")
+        clean[p.name] = v
+    return name, clean

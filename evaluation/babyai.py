@@ -1,0 +1,444 @@
+"""Evaluation on BabyAI (MiniGrid) from RGB frames only, with the evaluator and the policy in separate processes.
+
+The evaluator (this module, the parent process) owns the environment: it renders a frame, sends the frame and the
+mission to the policy process (`PolicyProcess`), applies the primitive action that comes back, and alone reads
+the internal state: BabyAI's verifier (success), the grid encoding (to score perception), the agent's pose and
+carried object (to detect deadlocks), and BabyAI's own bot (the reference step count). The policy process runs
+`evaluation.pixel_agent.PixelAgent`: perception, belief, skill executor, skill policy.
+
+    embodistill eval recipes/tiny.yaml --env babyai:GoTo --policy expert --episodes 50 --out outputs/babyai/goto
+
+writes `metrics.json` (success with a Wilson interval, steps and the ratio to the bot, invalid-action rate,
+deadlocks, perception accuracy), `episodes.jsonl`, `report.md` and a few frame strips (`strip_<n>.png`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+# levels whose missions the skills express (no "object behind you"-style locations except where parsed); the
+# README lists them. name -> gymnasium id
+LEVELS = {
+    "GoToObj": "BabyAI-GoToObj-v0",            # one room, one object
+    "GoToLocal": "BabyAI-GoToLocal-v0",        # one room, 8 distractors
+    "GoTo": "BabyAI-GoTo-v0",                  # 3x3 rooms, closed doors, 18 distractors
+    "GoToSeq": "BabyAI-GoToSeq-v0",            # sequences of go-to (and, then, after you)
+    "GoToImpUnlock": "BabyAI-GoToImpUnlock-v0",  # the target is behind a locked door; its key is elsewhere
+    "Open": "BabyAI-Open-v0",                  # open a door somewhere in the 3x3 rooms
+    "Unlock": "BabyAI-Unlock-v0",              # open a locked door: find its key first
+    "Pickup": "BabyAI-Pickup-v0",              # pick up an object somewhere in the 3x3 rooms
+    "PickupLoc": "BabyAI-PickupLoc-v0",        # one room; "on your left"-style locations
+    "PutNextLocal": "BabyAI-PutNextLocal-v0",  # one room: put an object next to another
+    "PutNext": "BabyAI-PutNextS6N3-v0",        # two rooms
+    "Synth": "BabyAI-Synth-v0",                # go to / pick up / open / put next, 3x3 rooms
+}
+VIEWS = ("topdown", "topdown-fov")
+PAYLOAD_KEYS = {"op", "mission", "frame", "seed"}  # all the policy process ever receives
+
+
+def level_id(level: str) -> str:
+    if level not in LEVELS:
+        raise ValueError(f"unknown BabyAI level {level!r}; available: {', '.join(LEVELS)}")
+    return LEVELS[level]
+
+
+def make_env(level: str, tile_size: int = 8):
+    import gymnasium as gym
+    import minigrid  # noqa: F401 — registers the BabyAI ids
+
+    return gym.make(level_id(level), render_mode="rgb_array", tile_size=tile_size)
+
+
+def quiet_reset(env, seed: int):
+    """BabyAI prints each rejected layout while it samples one; keep the evaluator's output clean."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return env.reset(seed=seed)
+
+
+def render(env, view: str, tile_size: int) -> np.ndarray:
+    return env.unwrapped.get_frame(highlight=True, tile_size=tile_size, agent_pov=False)
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion k/n (95% by default)."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = k / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return (max(0.0, mid - half), min(1.0, mid + half))
+
+
+class _BotTimeout(Exception):
+    pass
+
+
+def bot_steps(level: str, seed: int, cap: int, seconds: float = 20.0) -> int | None:
+    """Steps BabyAI's own bot takes on the same seed (None if it fails within `cap` steps or `seconds`: on some
+    layouts its planner never returns, so in the main thread a timer interrupts it)."""
+    import signal
+    import threading
+
+    from minigrid.utils.baby_ai_bot import BabyAIBot
+
+    def _alarm(signum, frame):
+        raise _BotTimeout
+
+    timed = threading.current_thread() is threading.main_thread()
+    if timed:
+        old = signal.signal(signal.SIGALRM, _alarm)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        env = make_env(level)
+        quiet_reset(env, seed)
+        bot = BabyAIBot(env)
+        for n in range(1, cap + 1):
+            action = bot.replan()
+            _, reward, terminated, truncated, _ = env.step(action)
+            if terminated:
+                return n if reward > 0 else None
+            if truncated:
+                return None
+        return None
+    except _BotTimeout:
+        return None
+    except Exception:  # the bot gives up on some layouts (its own DisappearedBoxError and friends)
+        return None
+    finally:
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+
+
+# ----------------------------------------------------------------------------- the policy process
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """Plain data the policy process builds its agent from: `policy` is expert, random or a model folder."""
+
+    policy: str
+    view: str = "topdown"
+    tile_size: int = 8
+    skill_budget: int = 30
+    max_new_tokens: int = 96
+    vision_model: str | None = None       # perception by an OpenAI-compatible vision model instead of sprites
+    vision_base_url: str | None = None
+    vision_api_key_env: str = "OPENAI_API_KEY"
+
+
+def build_agent(spec: PolicySpec):
+    from evaluation.perception import VisionPerception
+    from evaluation.pixel_agent import PixelAgent, PixelExpert, PixelModel, PixelRandom
+
+    if spec.policy == "expert":
+        policy = PixelExpert()
+    elif spec.policy == "random":
+        policy = PixelRandom()
+    else:
+        from agent.clients import TransformersClient
+        policy = PixelModel(TransformersClient(spec.policy, max_new_tokens=spec.max_new_tokens), name=spec.policy)
+    perception = None
+    if spec.vision_model:
+        from agent.clients import OpenAIClient
+        perception = VisionPerception(OpenAIClient(spec.vision_model, base_url=spec.vision_base_url,
+                                                   api_key_env=spec.vision_api_key_env), spec.tile_size)
+    return PixelAgent(policy, view=spec.view, tile_size=spec.tile_size, skill_budget=spec.skill_budget,
+                      perception=perception)
+
+
+def _serve(conn, spec: PolicySpec) -> None:
+    """The policy process: build the agent, then answer reset / act / probe messages until close."""
+    agent = None
+    try:
+        agent = build_agent(spec)
+        conn.send({"ready": True, "pid": os.getpid()})
+    except Exception as e:  # report, do not hang the evaluator
+        conn.send({"ready": False, "error": f"{type(e).__name__}: {e}"})
+        return
+    while True:
+        msg = conn.recv()
+        op = msg.get("op")
+        try:
+            if op == "close":
+                return
+            if op == "reset":
+                conn.send(agent.reset(msg["mission"], msg["frame"], msg.get("seed", 0)))
+            elif op == "act":
+                conn.send(agent.act(msg["frame"]))
+            elif op == "probe":
+                conn.send(probe())
+            else:
+                conn.send({"error": f"unknown op {op!r}"})
+        except Exception as e:
+            conn.send({"error": f"{type(e).__name__}: {e}"})
+
+
+def probe() -> dict:
+    """What this process can reach: any gymnasium environment object at all (there must be none)."""
+    import gc
+    import sys
+
+    envs = 0
+    if "gymnasium" in sys.modules:
+        import gymnasium
+        envs = sum(1 for o in gc.get_objects() if isinstance(o, gymnasium.Env))
+    return {"pid": os.getpid(), "env_objects": envs}
+
+
+def check_payload(msg: dict) -> dict:
+    """Every message to the policy process passes here: only the op, the mission text, the RGB frame and a seed."""
+    extra = set(msg) - PAYLOAD_KEYS
+    if extra:
+        raise ValueError(f"the policy process may not receive {sorted(extra)}")
+    if "frame" in msg and not (isinstance(msg["frame"], np.ndarray) and msg["frame"].dtype == np.uint8 and
+                               msg["frame"].ndim == 3):
+        raise ValueError("the frame must be an HxWx3 uint8 array")
+    if "mission" in msg and not isinstance(msg["mission"], str):
+        raise ValueError("the mission must be text")
+    return msg
+
+
+class PolicyProcess:
+    """The policy in its own process (spawned: it shares no memory with the evaluator). `sent` keeps every
+    payload's keys for audits."""
+
+    def __init__(self, spec: PolicySpec, timeout: float = 300.0):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, spec), daemon=True)
+        self.proc.start()
+        self.timeout = timeout
+        self.sent: list[tuple[str, ...]] = []
+        hello = self._recv()
+        if not hello.get("ready"):
+            self.close()
+            raise RuntimeError(f"the policy process could not start: {hello.get('error')}")
+        self.pid = hello["pid"]
+
+    def _recv(self) -> dict:
+        deadline = time.time() + self.timeout
+        while not self.conn.poll(0.2):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the policy process died (exit code {self.proc.exitcode}); with the spawn "
+                                   "start method a script must guard its entry point with "
+                                   "`if __name__ == '__main__':`")
+            if time.time() > deadline:
+                self.close()
+                raise TimeoutError(f"the policy process did not answer within {self.timeout:.0f} s")
+        reply = self.conn.recv()
+        if "error" in reply and "ready" not in reply:
+            raise RuntimeError(f"policy process: {reply['error']}")
+        return reply
+
+    def call(self, **msg) -> dict:
+        self.conn.send(check_payload(msg))
+        self.sent.append(tuple(sorted(msg)))
+        return self._recv()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.conn.send({"op": "close"})
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ----------------------------------------------------------------------------- the evaluator
+
+
+def _signature(env) -> tuple:
+    u = env.unwrapped
+    carrying = u.carrying.encode() if u.carrying is not None else None
+    return (tuple(int(v) for v in u.agent_pos), int(u.agent_dir), carrying, u.grid.encode().tobytes())
+
+
+def run_episode(env, proc: PolicyProcess, level: str, seed: int, view: str, tile_size: int,
+                deadlock_turns: int = 16, keep_frames: bool = False) -> dict:
+    obs, _ = quiet_reset(env, seed)
+    u = env.unwrapped
+    mission = obs["mission"]
+    frame = render(env, view, tile_size)
+    frames = [frame] if keep_frames else []
+    reply = proc.call(op="reset", mission=mission, frame=frame, seed=seed)
+    perc_ok = perc_n = pose_ok = pose_n = 0
+
+    def score(percept: dict) -> None:
+        nonlocal perc_ok, perc_n, pose_ok, pose_n
+        cells = np.asarray(percept["cells"])
+        truth = u.grid.encode()
+        shown = cells[:, :, 0] != 0  # cells the percept claims to see
+        perc_ok += int((cells == truth).all(axis=2)[shown].sum())
+        perc_n += int(shown.sum())
+        pose_n += 1
+        pose_ok += int(percept["agent"] is not None and tuple(percept["agent"]) ==
+                       (int(u.agent_pos[0]), int(u.agent_pos[1]), int(u.agent_dir)))
+
+    score(reply["percept"])
+    steps = turns = still = calls = 0
+    success = deadlock = False
+    end = "truncated"
+    events: list[dict] = []
+    last = _signature(env)
+    while True:
+        reply = proc.call(op="act", frame=frame)
+        turns += 1
+        score(reply["percept"])
+        events += [{k: e[k] for k in ("thought", "call", "ok", "error", "observation")} for e in reply["events"]]
+        calls = reply["calls"]  # started, including one cut short by the episode's end
+        if reply["finish"]:
+            end = reply.get("why") or "finish"
+            break
+        if reply["action"] is not None:
+            _, reward, terminated, truncated, _ = env.step(int(reply["action"]))
+            steps += 1
+            frame = render(env, view, tile_size)
+            if keep_frames:
+                frames.append(frame)
+            if terminated:
+                success, end = reward > 0, "success" if reward > 0 else "failed"
+                break
+            if truncated:
+                end = "step budget"
+                break
+        sig = _signature(env)
+        still = still + 1 if sig == last else 0
+        last = sig
+        if still >= deadlock_turns:
+            deadlock, end = True, "deadlock"
+            break
+    invalid = sum(1 for e in events if not e["ok"])
+    return {"level": level, "seed": seed, "mission": mission, "success": bool(success), "steps": steps,
+            "turns": turns, "end": end, "deadlock": deadlock, "skill_calls": calls, "invalid_calls": invalid,
+            "perception_correct": perc_ok, "perception_cells": perc_n, "pose_correct": pose_ok,
+            "pose_frames": pose_n, "max_steps": int(u.max_steps), "events": events, "frames": frames}
+
+
+def evaluate_babyai(level: str, policy: str, episodes: int, out: Path, seed: int = 0, view: str = "topdown",
+                    tile_size: int = 8, skill_budget: int = 30, deadlock_turns: int = 16, bot: bool = True,
+                    strips: int = 3, progress: Callable[[int], None] | None = None,
+                    vision_model: str | None = None, vision_base_url: str | None = None,
+                    vision_api_key_env: str = "OPENAI_API_KEY") -> dict:
+    """Run `episodes` episodes (seeds seed .. seed+episodes-1) of one level; write metrics.json, episodes.jsonl,
+    report.md and frame strips under `out`; return the metrics."""
+    level_id(level)
+    if view not in VIEWS:
+        raise ValueError(f"unknown view {view!r}; choose one of {', '.join(VIEWS)}")
+    if episodes < 1:
+        raise ValueError(f"episodes must be >= 1, not {episodes}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = make_env(level, tile_size)
+    spec = PolicySpec(policy=policy, view=view, tile_size=tile_size, skill_budget=skill_budget,
+                      vision_model=vision_model, vision_base_url=vision_base_url,
+                      vision_api_key_env=vision_api_key_env)
+    rows = []
+    t0 = time.time()
+    with PolicyProcess(spec) as proc:
+        for i in range(episodes):
+            r = run_episode(env, proc, level, seed + i, view, tile_size, deadlock_turns, keep_frames=i < strips)
+            if bot:
+                r["bot_steps"] = bot_steps(level, seed + i, r["max_steps"])
+            if r["frames"]:
+                write_strip(r["frames"], out / f"strip_{i}.png")
+            r.pop("frames")
+            rows.append(r)
+            if progress:
+                progress(1)
+        audit = sorted(set(proc.sent))
+    m = summarize(rows)
+    m.update({"level": level, "env_id": LEVELS[level], "policy": policy, "view": view, "tile_size": tile_size,
+              "perception": f"vision:{vision_model}" if vision_model else "sprites",
+              "seed": seed, "skill_budget": skill_budget, "deadlock_turns": deadlock_turns,
+              "payload_keys": [list(k) for k in audit], "wall_s": round(time.time() - t0, 1)})
+    from agent.trajectory import write_json
+    (out / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_json(out / "metrics.json", m)
+    (out / "report.md").write_text(report(m, rows))
+    return m
+
+
+def summarize(rows: list[dict]) -> dict:
+    n = len(rows)
+    k = sum(r["success"] for r in rows)
+    lo, hi = wilson(k, n)
+    succ = [r for r in rows if r["success"]]
+    both = [r for r in succ if r.get("bot_steps")]
+    calls = sum(r["skill_calls"] for r in rows)
+    cells = sum(r["perception_cells"] for r in rows)
+    frames = sum(r["pose_frames"] for r in rows)
+    bot_ok = [r for r in rows if r.get("bot_steps")]
+    return {
+        "episodes": n, "successes": k, "success_rate": k / n, "success_wilson95": [round(lo, 4), round(hi, 4)],
+        "step_budget": rows[0]["max_steps"] if rows else None,
+        "mean_steps": float(np.mean([r["steps"] for r in rows])) if rows else 0.0,
+        "mean_steps_success": float(np.mean([r["steps"] for r in succ])) if succ else None,
+        "bot_success_rate": len(bot_ok) / n if "bot_steps" in (rows[0] if rows else {}) else None,
+        "step_ratio_to_bot": (float(np.mean([r["steps"] / r["bot_steps"] for r in both])) if both else None),
+        "skill_calls": calls, "invalid_action_rate": (sum(r["invalid_calls"] for r in rows) / calls) if calls else 0.0,
+        "deadlocks": sum(r["deadlock"] for r in rows),
+        "perception_accuracy": (sum(r["perception_correct"] for r in rows) / cells) if cells else None,
+        "pose_accuracy": (sum(r["pose_correct"] for r in rows) / frames) if frames else None,
+        "ends": {e: sum(r["end"] == e for r in rows) for e in sorted({r["end"] for r in rows})},
+    }
+
+
+def write_strip(frames: list[np.ndarray], path: Path, n: int = 8) -> None:
+    """Up to `n` frames of an episode, evenly spaced, side by side."""
+    from PIL import Image
+
+    idx = sorted({round(i * (len(frames) - 1) / max(1, n - 1)) for i in range(min(n, len(frames)))})
+    strip = np.concatenate([np.pad(frames[i], ((2, 2), (2, 2), (0, 0)), constant_values=255) for i in idx], axis=1)
+    tmp = path.with_suffix(".tmp.png")
+    Image.fromarray(strip).save(tmp)
+    os.replace(tmp, path)
+
+
+def report(m: dict, rows: list[dict]) -> str:
+    def f(v, fmt="{:.3f}"):
+        return "n/a" if v is None else fmt.format(v)
+
+    lines = [f"# {m['policy']} on BabyAI {m['level']} ({m['env_id']}), {m['view']} frames",
+             "",
+             f"{m['episodes']} episodes, seeds {m['seed']}..{m['seed'] + m['episodes'] - 1}, step budget "
+             f"{m['step_budget']} primitive actions, {m['skill_budget']} skill calls.",
+             "",
+             "| metric | value |", "|---|---|",
+             f"| success | {m['success_rate']:.3f} (95% Wilson {m['success_wilson95'][0]:.3f}-"
+             f"{m['success_wilson95'][1]:.3f}) |",
+             f"| mean steps (all / successful) | {m['mean_steps']:.1f} / {f(m['mean_steps_success'], '{:.1f}')} |",
+             f"| steps / BabyAI bot's steps (both successful) | {f(m['step_ratio_to_bot'], '{:.2f}')} |",
+             f"| BabyAI bot success | {f(m['bot_success_rate'])} |",
+             f"| invalid skill calls | {m['invalid_action_rate']:.3f} of {m['skill_calls']} |",
+             f"| deadlocks | {m['deadlocks']} |",
+             f"| perception accuracy (cells / agent pose) | {f(m['perception_accuracy'], '{:.4f}')} / "
+             f"{f(m['pose_accuracy'], '{:.4f}')} |",
+             f"| episode ends | {', '.join(f'{k}: {v}' for k, v in m['ends'].items())} |",
+             "", "## Episodes", ""]
+    for i, r in enumerate(rows[:5]):
+        lines.append(f"- seed {r['seed']}: \"{r['mission']}\": {'success' if r['success'] else r['end']} in "
+                     f"{r['steps']} steps, {r['skill_calls']} skill calls"
+                     + (f" (strip: strip_{i}.png)" if i < 3 else ""))
+        for e in r["events"][:8]:
+            call = e["call"] if isinstance(e["call"], dict) else {"name": "(unreadable)", "arguments": {}}
+            args = ", ".join(f"{v}" for v in call.get("arguments", {}).values())
+            lines.append(f"  - {call['name']}({args}) -> {'ok' if e['ok'] else e['error']}")
+    return "\n".join(lines) + "\n"
