@@ -198,7 +198,7 @@ def test_a_vision_model_can_do_the_perceiving(tmp_path, monkeypatch):
     cells, never a crash."""
     from agent.clients import OpenAIClient
     from evaluation.perception import VisionPerception, parse_vision_reply
-    from tests.fake_openai import FakeOpenAI, Reply
+    from fake_openai import FakeOpenAI, Reply
 
     env = make_env("GoToObj")
     quiet_reset(env, 5)
