@@ -93,14 +93,17 @@ class GridBelief:
     def update(self, p: Percept, last_action: int | None = None) -> None:
         first = self.cells is None
         cells = p.cells.copy()
+        observed = np.ones(cells.shape[:2], dtype=bool) if self.view == "topdown" else p.visible.copy()
         if first:
-            self.cells = cells
+            self.cells = cells.copy()
+            # outside the field of view only the structure counts: other cells are unseen (walkable until seen)
+            structure = np.isin(cells[:, :, 0], (_WALL, _DOOR))
+            self.cells[~observed & ~structure] = (TYPE_IDX["unseen"], 0, 0)
             self._segment()
         prev_pose = self.pose
         if p.agent is not None:
             self.pose = p.agent
         front = self.front(prev_pose) if prev_pose else None
-        observed = np.ones(cells.shape[:2], dtype=bool) if self.view == "topdown" else p.visible.copy()
         # the structure (walls, doors and their states) is read from the whole frame
         for pos, did in self.door_at.items():
             if cells[pos][0] == _DOOR:

@@ -9,9 +9,9 @@ metrics). `evaluation.isolation` runs it in its own process.
 
 from __future__ import annotations
 
+import heapq
 import random
 import re
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -164,34 +164,45 @@ class PixelExpert:
     def _in_way(self, b: GridBelief, eid: str) -> str | None:
         """When no free way leads to `eid`: the first obstacle (a locked door or an object) on a shortest way that
         may pass through obstacles."""
-        cell = self._cell(b, eid)
-        if b.path(b.stand_cells(cell)) is not None:
-            return None
-        goals = {(cell[0] + dx, cell[1] + dy) for dx, dy in DIR_VEC}
+        if eid in b.room_cells:  # a room: any of its free cells
+            goals = {c for c in b.room_cells[eid] if c not in b.at}
+            cell = None
+            if b.path(goals) is not None:
+                return None
+        else:
+            cell = self._cell(b, eid)
+            if b.path(b.stand_cells(cell)) is not None:
+                return None
+            goals = {(cell[0] + dx, cell[1] + dy) for dx, dy in DIR_VEC}
+        # cheapest way when crossing an obstacle costs extra: a locked door (unlock it) 20 steps, an object (move
+        # it aside) 50, so a door is unlocked rather than objects shuffled
         start = b.pose[:2]
-        prev, q = {start: None}, deque([start])
+        prev, cost, heap = {start: None}, {start: 0}, [(0, start)]
         w, h = b.cells.shape[:2]
-        while q:
-            cur = q.popleft()
+        while heap:
+            c0, cur = heapq.heappop(heap)
+            if c0 > cost[cur]:
+                continue
+            if cur in goals:
+                walk = [cur]
+                while prev[walk[-1]] is not None:
+                    walk.append(prev[walk[-1]])
+                for c in walk[::-1]:
+                    if c in b.at:
+                        return b.at[c]
+                    if c in b.door_at and b.doors[b.door_at[c]]["state"] == "locked":
+                        return b.door_at[c]
+                return None
             for dx, dy in DIR_VEC:
                 nxt = (cur[0] + dx, cur[1] + dy)
-                if nxt in prev or nxt == cell or not (0 <= nxt[0] < w and 0 <= nxt[1] < h):
+                if nxt == cell or not (0 <= nxt[0] < w and 0 <= nxt[1] < h):
                     continue
                 door = b.door_at.get(nxt)
-                if not (b.passable(nxt) or nxt in b.at or door):
+                step = 1 if b.passable(nxt) else 50 if nxt in b.at else 20 if door else None
+                if step is None or cost[cur] + step >= cost.get(nxt, 1 << 30):
                     continue
-                prev[nxt] = cur
-                if nxt in goals:
-                    walk = [nxt]
-                    while prev[walk[-1]] is not None:
-                        walk.append(prev[walk[-1]])
-                    for c in walk[::-1]:
-                        if c in b.at:
-                            return b.at[c]
-                        if c in b.door_at and b.doors[b.door_at[c]]["state"] == "locked":
-                            return b.door_at[c]
-                    return None
-                q.append(nxt)
+                cost[nxt], prev[nxt] = cost[cur] + step, cur
+                heapq.heappush(heap, (cost[nxt], nxt))
         return None
 
     def _clear(self, b: GridBelief, eid: str) -> tuple[str, dict] | None:
@@ -205,6 +216,9 @@ class PixelExpert:
             return None
         self._moving.add(obstacle)
         try:
+            if b.holding == obstacle:  # picked up to clear the way: put it down out of the way
+                return (f"I put the {b.objects[obstacle].name} down out of the way.",
+                        {"name": "place", "arguments": {"object": obstacle, "target": b.place}})
             return self._get(b, obstacle, why=f"The {b.objects[obstacle].name} is in my way; I move it aside.")
         finally:
             self._moving.discard(obstacle)
@@ -214,6 +228,9 @@ class PixelExpert:
     def _explore(self, b: GridBelief, what: str) -> tuple[str, dict]:
         todo = [r for r in b.unvisited() if r not in self.failed]
         if todo:
+            clear = self._clear(b, todo[0])
+            if clear:
+                return clear
             return (f"I have not seen the {what} yet; I'll look in the nearest room I have not been in.",
                     {"name": "navigate", "arguments": {"target": todo[0]}})
         # every room entered, the object unseen: look again from each room's centre (this one first)
