@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--student", default="outputs/tiny/sft/final", help="a model folder (save_pretrained)")
     ap.add_argument("--episodes", type=int, default=50)
     ap.add_argument("--seed", type=int, default=1000, help="first seed (episodes use seed .. seed+episodes-1)")
-    ap.add_argument("--views", default="topdown,topdown-fov")
+    ap.add_argument("--views", default="topdown,topdown-fov,egocentric")
     ap.add_argument("--out", default=None, help="folder for each run's metrics, report and strips")
     ap.add_argument("--no-bot", action="store_true", help="skip BabyAI's bot reference")
     a = ap.parse_args()

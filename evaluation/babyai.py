@@ -43,7 +43,7 @@ LEVELS = {
     "PutNext": "BabyAI-PutNextS6N3-v0",        # two rooms
     "Synth": "BabyAI-Synth-v0",                # go to / pick up / open / put next, 3x3 rooms
 }
-VIEWS = ("topdown", "topdown-fov")
+VIEWS = ("topdown", "topdown-fov", "egocentric")
 PAYLOAD_KEYS = {"op", "mission", "frame", "seed"}  # all the policy process ever receives
 
 
@@ -67,7 +67,18 @@ def quiet_reset(env, seed: int):
 
 
 def render(env, view: str, tile_size: int) -> np.ndarray:
-    return env.unwrapped.get_frame(highlight=True, tile_size=tile_size, agent_pov=False)
+    """The frame the policy gets: the whole grid with the field of view highlighted, or the agent's own 7x7 view."""
+    return env.unwrapped.get_frame(highlight=True, tile_size=tile_size, agent_pov=view == "egocentric")
+
+
+def world_pose(canvas_pose, canvas_start, world_start) -> tuple[int, int, int]:
+    """A first-person belief's pose (its own canvas, starting facing north) in the env's coordinates, given where
+    the agent really started (evaluator side: for scoring only)."""
+    k = (world_start[2] - canvas_start[2]) % 4  # clockwise quarter turns from canvas to world
+    dx, dy = canvas_pose[0] - canvas_start[0], canvas_pose[1] - canvas_start[1]
+    for _ in range(k):
+        dx, dy = -dy, dx
+    return world_start[0] + dx, world_start[1] + dy, (canvas_pose[2] + k) % 4
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -281,18 +292,28 @@ def run_episode(env, proc: PolicyProcess, level: str, seed: int, view: str, tile
     reply = proc.call(op="reset", mission=mission, frame=frame, seed=seed)
     perc_ok = perc_n = pose_ok = pose_n = 0
 
-    def score(percept: dict) -> None:
+    start = (int(u.agent_pos[0]), int(u.agent_pos[1]), int(u.agent_dir))
+
+    def score(reply: dict) -> None:
         nonlocal perc_ok, perc_n, pose_ok, pose_n
+        percept = reply["percept"]
         cells = np.asarray(percept["cells"])
-        truth = u.grid.encode()
+        if view == "egocentric":
+            grid, vis = u.gen_obs_grid()
+            truth = grid.encode(vis)
+            if percept["carried"] is not None:  # the view draws the carried object under the agent
+                cells[3, 6] = (percept["carried"][0], percept["carried"][1], 0)
+            pose = world_pose(reply["pose"], reply["start"], start) if reply.get("pose") else None
+        else:
+            truth = u.grid.encode()
+            pose = tuple(percept["agent"]) if percept["agent"] is not None else None
         shown = cells[:, :, 0] != 0  # cells the percept claims to see
         perc_ok += int((cells == truth).all(axis=2)[shown].sum())
         perc_n += int(shown.sum())
         pose_n += 1
-        pose_ok += int(percept["agent"] is not None and tuple(percept["agent"]) ==
-                       (int(u.agent_pos[0]), int(u.agent_pos[1]), int(u.agent_dir)))
+        pose_ok += int(pose == (int(u.agent_pos[0]), int(u.agent_pos[1]), int(u.agent_dir)))
 
-    score(reply["percept"])
+    score(reply)
     steps = turns = still = calls = 0
     success = deadlock = False
     end = "truncated"
@@ -301,7 +322,7 @@ def run_episode(env, proc: PolicyProcess, level: str, seed: int, view: str, tile
     while True:
         reply = proc.call(op="act", frame=frame)
         turns += 1
-        score(reply["percept"])
+        score(reply)
         events += [{k: e[k] for k in ("thought", "call", "ok", "error", "observation")} for e in reply["events"]]
         calls = reply["calls"]  # started, including one cut short by the episode's end
         if reply["finish"]:

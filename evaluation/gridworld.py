@@ -66,8 +66,8 @@ class Outcome:
 class GridBelief:
     """What the agent knows, from percepts alone (see the module docstring). In `topdown` every cell of the frame
     counts as seen; in `topdown-fov` the walls and doors of the whole frame form the map (as the sandbox's map is
-    known from the start) but objects count only inside the highlighted field of view; egocentric frames need a
-    pose the frame does not show and are not read here."""
+    known from the start) but objects count only inside the highlighted field of view. First-person frames are
+    read by the subclass `evaluation.egocentric.EgoBelief`."""
 
     def __init__(self, view: str = "topdown"):
         if view not in ("topdown", "topdown-fov"):
@@ -108,39 +108,9 @@ class GridBelief:
         for pos, did in self.door_at.items():
             if cells[pos][0] == _DOOR:
                 self.doors[did]["state"] = STATES[int(cells[pos][2])]
-        self.seen_now = set()
         w, h = cells.shape[:2]
-        for x in range(w):
-            for y in range(h):
-                if not observed[x, y]:
-                    continue
-                t, c, _ = (int(v) for v in cells[x, y])
-                oid = self.at.get((x, y))
-                if t in _CARRY:
-                    if oid is not None and self.objects[oid].type == TYPES[t] and self.objects[oid].color == COLORS[c]:
-                        self.seen_now.add(oid)
-                        continue
-                    if oid is not None:  # a different object stands where another was seen
-                        self.objects[oid].pos = None
-                    held = self.objects.get(self.holding) if self.holding else None
-                    if (last_action == DROP and held is not None and front == (x, y) and held.type == TYPES[t]
-                            and held.color == COLORS[c]):
-                        new = held
-                        self.holding = None
-                    else:
-                        n = self.counts.get(TYPES[t], 0) + 1
-                        self.counts[TYPES[t]] = n
-                        new = Obj(f"{TYPES[t]}_{n}", TYPES[t], COLORS[c], None)
-                        self.objects[new.oid] = new
-                    new.pos = (x, y)
-                    self.at[(x, y)] = new.oid
-                    self.seen_now.add(new.oid)
-                elif oid is not None:  # the object is no longer there
-                    del self.at[(x, y)]
-                    o = self.objects[oid]
-                    o.pos = None
-                    if last_action == PICKUP and front == (x, y) and self.holding is None:
-                        self.holding = oid
+        self.track_objects([((x, y), cells[x, y]) for x in range(w) for y in range(h) if observed[x, y]],
+                           last_action, front)
         for x in range(w):
             for y in range(h):
                 if observed[x, y] or (x, y) in self.at:
@@ -152,6 +122,39 @@ class GridBelief:
             if r is not None:
                 self.place = r
                 self.visited.add(r)
+
+    def track_objects(self, seen, last_action: int | None, front) -> None:
+        """Object identity across frames, from the cells seen now ((cell, encoding) pairs): an object seen where
+        the same kind was seen keeps its id; one that vanished from the cell ahead after a pick-up is held; the
+        held object reappearing ahead after a drop is the same object; anything else new gets the next id."""
+        self.seen_now = set()
+        for (x, y), enc in seen:
+            t, c = int(enc[0]), int(enc[1])
+            oid = self.at.get((x, y))
+            if t in _CARRY:
+                if oid is not None and self.objects[oid].type == TYPES[t] and self.objects[oid].color == COLORS[c]:
+                    self.seen_now.add(oid)
+                    continue
+                if oid is not None:  # a different object stands where another was seen
+                    self.objects[oid].pos = None
+                held = self.objects.get(self.holding) if self.holding else None
+                if (last_action == DROP and held is not None and front == (x, y) and held.type == TYPES[t]
+                        and held.color == COLORS[c]):
+                    new = held
+                    self.holding = None
+                else:
+                    n = self.counts.get(TYPES[t], 0) + 1
+                    self.counts[TYPES[t]] = n
+                    new = Obj(f"{TYPES[t]}_{n}", TYPES[t], COLORS[c], None)
+                    self.objects[new.oid] = new
+                new.pos = (x, y)
+                self.at[(x, y)] = new.oid
+                self.seen_now.add(new.oid)
+            elif oid is not None:  # the object is no longer there
+                del self.at[(x, y)]
+                self.objects[oid].pos = None
+                if last_action == PICKUP and front == (x, y) and self.holding is None:
+                    self.holding = oid
 
     def _segment(self) -> None:
         """Rooms are the 4-connected regions of non-wall, non-door cells; doors join the regions on either side."""
@@ -559,7 +562,7 @@ class SkillExecutor:
         if bad:
             return bad
         yield TOGGLE
-        if door["state"] != "open":
+        if b.doors[target]["state"] != "open":  # read again: the belief may have rebuilt its door table
             return Outcome(False, f"The {target} did not open.", "precondition_unmet")
         return Outcome(True, f"You open the {target}.")
 

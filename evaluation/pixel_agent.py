@@ -101,7 +101,7 @@ class PixelExpert:
 
     name = "expert"
 
-    def reset(self, mission: str, b: GridBelief) -> None:
+    def reset(self, mission: str, b: GridBelief, seed: int = 0) -> None:
         self.todo = parse_mission(mission)
         self.i = 0
         self.start_pose = b.pose
@@ -114,6 +114,7 @@ class PixelExpert:
         self._unlocking: set[str] = set()
         self._moving: set[str] = set()
         self.centred: set[str] = set()  # rooms looked at again from their centre
+        self.looked_through: set[str] = set()  # doors opened or faced to see the unexplored side
 
     def observe(self, call, outcome: Outcome) -> None:
         if isinstance(call, dict):
@@ -233,6 +234,22 @@ class PixelExpert:
                 return clear
             return (f"I have not seen the {what} yet; I'll look in the nearest room I have not been in.",
                     {"name": "navigate", "arguments": {"target": todo[0]}})
+        # first-person: rooms appear only once seen; look through the doors whose far side is unexplored
+        def near(kv):
+            d = b.distance(b.stand_cells(kv[1]["pos"]))
+            return (d if d is not None else 10_000, kv[0])
+
+        for did, door in sorted(b.doors.items(), key=near):
+            if "unexplored" not in door["rooms"] or did in self.looked_through:
+                continue
+            if door["state"] == "locked":
+                continue
+            if not self._facing(b, did):
+                return f"I go to the {did} to see what lies behind it.", {"name": "navigate",
+                                                                           "arguments": {"target": did}}
+            self.looked_through.add(did)
+            if door["state"] == "closed":
+                return f"I open the {did} to see behind it.", {"name": "open", "arguments": {"target": did}}
         # every room entered, the object unseen: look again from each room's centre (this one first)
         again = [r for r in [b.place] + [r for r, _ in b.rooms] if r not in self.centred | self.failed]
         if again:
@@ -390,10 +407,11 @@ class PixelModel:
     """Any `agent.models.ChatModel` (a sandbox-trained student) through the shared prompt builder and parser: the
     prompt is `build_step_messages` over the belief's known map, exactly the sandbox's format."""
 
-    def __init__(self, client, name: str | None = None, memory_size: int = 4):
+    def __init__(self, client, name: str | None = None, memory_size: int = 4, budget: int = 30):
         self.client = client
         self.name = name or getattr(client, "name", "model")
         self.memory_size = memory_size
+        self.budget = budget
 
     def reset(self, mission: str, b: GridBelief, seed: int = 0) -> None:
         self.task = task_text(mission)
@@ -401,7 +419,6 @@ class PixelModel:
         self.seed = seed
         self.step = 0
         self.observation = b.describe()
-        self.budget = 30
         self.last_prompt: list[dict] = []
         self.last_raw = ""
 
@@ -443,23 +460,23 @@ class PixelAgent:
         self.perception = perception or SpriteDetector(tile_size)
 
     def reset(self, mission: str, frame: np.ndarray, seed: int = 0) -> dict:
-        self.b = GridBelief(self.view)
+        if self.view == "egocentric":
+            from evaluation.egocentric import EgoBelief
+            self.b = EgoBelief()
+        else:
+            self.b = GridBelief(self.view)
         p = self.perception.perceive(frame, self.view)
         self.b.update(p)
         if self.b.pose is None:
             raise ValueError("the first frame shows no agent: cannot start")
         self.exec = SkillExecutor(self.b)
-        if isinstance(self.policy, PixelExpert):
-            self.policy.reset(mission, self.b)
-        else:
-            self.policy.reset(mission, self.b, seed)
-        if hasattr(self.policy, "budget"):
-            self.policy.budget = self.skill_budget
+        self.policy.reset(mission, self.b, seed)
+        self.policy.budget = self.skill_budget  # a model's prompt shows "Step k/budget"
         self.run = None
         self.current = None
         self.calls = 0
         self.last_action = None
-        return {"percept": p.to_payload()}
+        return {"percept": p.to_payload(), "pose": self.b.pose, "start": getattr(self.b, "start", self.b.pose)}
 
     def act(self, frame: np.ndarray) -> dict:
         p = self.perception.perceive(frame, self.view)
@@ -503,4 +520,4 @@ class PixelAgent:
         if action is None:
             self.last_action = None
         return {"action": action, "finish": finish, "why": why, "events": events, "calls": self.calls,
-                "percept": p.to_payload()}
+                "percept": p.to_payload(), "pose": self.b.pose, "start": getattr(self.b, "start", None)}

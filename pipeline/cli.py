@@ -44,7 +44,8 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
                                                      "level (e.g. babyai:GoTo)"),
              episodes: int = typer.Option(50, help="babyai: episodes (seeds from the recipe's eval seed)"),
              view: str = typer.Option("topdown", help="babyai: topdown (the whole frame) | topdown-fov (objects "
-                                                      "only inside the highlighted field of view)"),
+                                                      "only inside the highlighted field of view) | egocentric "
+                                                      "(the agent's own 7x7 view)"),
              vision_model: Optional[str] = typer.Option(None, help="babyai: perceive frames with this "
                                                                    "OpenAI-compatible vision model instead of the "
                                                                    "sprite detector"),
