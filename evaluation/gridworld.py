@@ -422,9 +422,30 @@ class SkillExecutor:
         yield from self._scan()
         return Outcome(True, self.b.describe())
 
+    def frontier(self) -> set:
+        """Seen floor cells of the current room next to a cell never seen: where more of the room shows."""
+        b = self.b
+        w, h = b.cells.shape[:2]
+        return {c for c in b.room_cells.get(b.place, []) if c not in b.at and any(
+            0 <= c[0] + dx < w and 0 <= c[1] + dy < h and int(b.cells[c[0] + dx, c[1] + dy][0]) == TYPE_IDX["unseen"]
+            for dx, dy in DIR_VEC)}
+
     def _do_search(self, query: str) -> SkillRun:
+        """Look around; where part of the room was never seen (first-person frames), walk to the nearest such
+        edge and look again, until the whole room has been seen or no edge can be reached."""
         b = self.b
         yield from self._scan()
+        tried: set = set()
+        while b.view == "egocentric":
+            edge = self.frontier() - tried
+            route = b.path(edge) if edge else None
+            if route is None:
+                break
+            tried.add(route[-1])
+            bad = yield from self._walk({route[-1]})
+            if bad:
+                break
+            yield from self._scan()
         q = query.lower()
         found = [o for o in b.known_objects() if o.pos is not None and b.room_at(o.pos) == b.place and
                  (q in o.name or o.type in q or q == o.oid)]

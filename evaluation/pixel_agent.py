@@ -115,6 +115,7 @@ class PixelExpert:
         self._moving: set[str] = set()
         self.centred: set[str] = set()  # rooms looked at again from their centre
         self.looked_through: set[str] = set()  # doors opened or faced to see the unexplored side
+        self.searched: set[str] = set()  # rooms searched to their edges (first-person)
 
     def observe(self, call, outcome: Outcome) -> None:
         if isinstance(call, dict):
@@ -240,16 +241,29 @@ class PixelExpert:
             return (d if d is not None else 10_000, kv[0])
 
         for did, door in sorted(b.doors.items(), key=near):
-            if "unexplored" not in door["rooms"] or did in self.looked_through:
+            if "unexplored" not in door["rooms"] or did in self.looked_through | self.failed:
                 continue
             if door["state"] == "locked":
                 continue
+            clear = self._clear(b, did)
+            if clear:
+                return clear
             if not self._facing(b, did):
                 return f"I go to the {did} to see what lies behind it.", {"name": "navigate",
                                                                            "arguments": {"target": did}}
             self.looked_through.add(did)
             if door["state"] == "closed":
                 return f"I open the {did} to see behind it.", {"name": "open", "arguments": {"target": did}}
+        # behind a locked door lies what is still unseen: fetch its key and unlock it
+        for did, door in sorted(b.doors.items(), key=near):
+            if "unexplored" in door["rooms"] and door["state"] == "locked" and did not in self._unlocking | \
+                    self.failed:
+                return self._unlock(b, did)
+        # first-person: a room seen only in part is searched to its edges
+        if b.view == "egocentric" and b.place not in self.searched:
+            self.searched.add(b.place)
+            return (f"I have not seen the {what}; I search this room to its edges.",
+                    {"name": "search", "arguments": {"query": what}})
         # every room entered, the object unseen: look again from each room's centre (this one first)
         again = [r for r in [b.place] + [r for r, _ in b.rooms] if r not in self.centred | self.failed]
         if again:
