@@ -15,11 +15,9 @@ same skill executor and prompt format.
 
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
 
-from evaluation.gridworld import FORWARD, LEFT, RIGHT, GridBelief
+from evaluation.gridworld import FORWARD, LEFT, RIGHT, GridBelief, regions_of
 from evaluation.perception import COLORS, DIR_VEC, STATES, TYPE_IDX, Percept
 
 _WALL, _DOOR, _UNSEEN = TYPE_IDX["wall"], TYPE_IDX["door"], TYPE_IDX["unseen"]
@@ -89,23 +87,7 @@ class EgoBelief(GridBelief):
     def _segment(self) -> None:
         cells = self.cells
         floor = (cells[:, :, 0] != _UNSEEN) & ~np.isin(cells[:, :, 0], (_WALL, _DOOR))
-        label = -np.ones(floor.shape, dtype=np.int64)
-        regions: list[list[tuple[int, int]]] = []
-        w, h = floor.shape
-        for sx, sy in zip(*np.nonzero(floor), strict=True):
-            if label[sx, sy] >= 0:
-                continue
-            q, region = deque([(int(sx), int(sy))]), []
-            label[sx, sy] = len(regions)
-            while q:
-                cx, cy = q.popleft()
-                region.append((cx, cy))
-                for dx, dy in DIR_VEC:
-                    nx, ny = cx + dx, cy + dy
-                    if 0 <= nx < w and 0 <= ny < h and floor[nx, ny] and label[nx, ny] < 0:
-                        label[nx, ny] = len(regions)
-                        q.append((nx, ny))
-            regions.append(region)
+        label, regions = regions_of(floor)
         # stable ids: a region keeps the oldest id anchored in it; a region with none gets the next id
         ids: list[str] = []
         for i, region in enumerate(regions):

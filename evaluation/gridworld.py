@@ -63,6 +63,29 @@ class Outcome:
     finish: bool = False
 
 
+def regions_of(mask: np.ndarray) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
+    """The 4-connected regions of the True cells of `mask` ([x, y]): a label per cell (-1 outside) and each
+    region's cells, regions numbered in the order of their first cell (x, then y)."""
+    w, h = mask.shape
+    label = -np.ones((w, h), dtype=np.int64)
+    regions: list[list[tuple[int, int]]] = []
+    for sx, sy in zip(*np.nonzero(mask), strict=True):
+        if label[sx, sy] >= 0:
+            continue
+        q, region = deque([(int(sx), int(sy))]), []
+        label[sx, sy] = len(regions)
+        while q:
+            cx, cy = q.popleft()
+            region.append((cx, cy))
+            for dx, dy in DIR_VEC:
+                nx, ny = cx + dx, cy + dy
+                if 0 <= nx < w and 0 <= ny < h and mask[nx, ny] and label[nx, ny] < 0:
+                    label[nx, ny] = len(regions)
+                    q.append((nx, ny))
+        regions.append(region)
+    return label, regions
+
+
 class GridBelief:
     """What the agent knows, from percepts alone (see the module docstring). In `topdown` every cell of the frame
     counts as seen; in `topdown-fov` the walls and doors of the whole frame form the map (as the sandbox's map is
@@ -160,23 +183,7 @@ class GridBelief:
         """Rooms are the 4-connected regions of non-wall, non-door cells; doors join the regions on either side."""
         cells = self.cells
         w, h = cells.shape[:2]
-        label = -np.ones((w, h), dtype=np.int64)
-        regions: list[list[tuple[int, int]]] = []
-        for x in range(w):
-            for y in range(h):
-                if label[x, y] >= 0 or cells[x, y][0] in (_WALL, _DOOR):
-                    continue
-                q, region = deque([(x, y)]), []
-                label[x, y] = len(regions)
-                while q:
-                    cx, cy = q.popleft()
-                    region.append((cx, cy))
-                    for dx, dy in DIR_VEC:
-                        nx, ny = cx + dx, cy + dy
-                        if 0 <= nx < w and 0 <= ny < h and label[nx, ny] < 0 and cells[nx, ny][0] not in (_WALL, _DOOR):
-                            label[nx, ny] = len(regions)
-                            q.append((nx, ny))
-                regions.append(region)
+        label, regions = regions_of(~np.isin(cells[:, :, 0], (_WALL, _DOOR)))
         # rows and columns of rooms from the regions' top-left corners
         tops = sorted({min(y for _, y in r) for r in regions})
         lefts = sorted({min(x for x, _ in r) for r in regions})
