@@ -14,18 +14,17 @@ over that belief (never over the environment).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generator
 
 import numpy as np
 
-from evaluation.perception import CARRYABLE, COLORS, DIR_VEC, STATES, TYPE_IDX, TYPES, UNKNOWN, Percept
+from evaluation.perception import CARRYABLE, COLORS, DIR_VEC, STATES, TYPE_IDX, TYPES, Percept
 from sandbox.skills import CallError, check_call
 
 # MiniGrid's primitive actions
 LEFT, RIGHT, FORWARD, PICKUP, DROP, TOGGLE, DONE = range(7)
-ACTION_NAMES = ("left", "right", "forward", "pickup", "drop", "toggle", "done")
-_WALL, _DOOR, _EMPTY = TYPE_IDX["wall"], TYPE_IDX["door"], TYPE_IDX["empty"]
+_WALL, _DOOR = TYPE_IDX["wall"], TYPE_IDX["door"]
 _CARRY = {TYPE_IDX[t] for t in CARRYABLE}
 _WALKABLE = {TYPE_IDX[t] for t in ("empty", "floor", "goal", "unseen")}
 
@@ -337,7 +336,6 @@ class SkillExecutor:
 
     b: GridBelief
     max_actions: int = 200
-    fov_scan: bool = field(default=True)
 
     def start(self, call) -> SkillRun:
         checked = check_call(call)
@@ -400,7 +398,7 @@ class SkillExecutor:
         return Outcome(False, "You could not get there in time.", "unreachable")
 
     def _scan(self) -> SkillRun:
-        if self.b.view != "topdown" and self.fov_scan:
+        if self.b.view != "topdown":
             for _ in range(4):
                 yield LEFT
 
@@ -630,6 +628,3 @@ class SkillExecutor:
         return Outcome(False, f"You don't know any device called {device[:40]!r}.", "unknown_entity")
         yield  # noqa
 
-
-def unknown_cells(p: Percept) -> int:
-    return int((p.cells[:, :, 0] == UNKNOWN).sum())

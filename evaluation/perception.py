@@ -48,9 +48,6 @@ class Percept:
     carried: tuple[int, int] | None = None  # (type, colour) drawn under the agent in an egocentric frame
     unknown: int = 0
 
-    def encode(self) -> np.ndarray:
-        return self.cells
-
     def to_payload(self) -> dict:
         """Plain data for the evaluator (perception accuracy) and for logs."""
         return {"cells": self.cells.tolist(), "visible": self.visible.tolist(), "agent": self.agent,
