@@ -441,22 +441,13 @@ class PixelModel:
         self.observation = outcome.text
 
     def act(self, b: GridBelief) -> tuple[str, dict | str]:
-        from agent.clients import tool_call_text
-        from agent.parser import ToolCall
+        from evaluation.policies import model_decision
 
         messages = build_step_messages(self.task, b.known(), self.memory, self.observation, self.step, self.budget)
-        reply = self.client.chat(messages, tools=_tools(), seed=(self.seed * 1_000_003 + self.step) % 2**31)
+        self.last_prompt = messages
+        thought, action, self.last_raw, _ = model_decision(self.client, messages, self.seed, self.step)
         self.step += 1
-        self.last_prompt, self.last_raw = messages, tool_call_text(reply)
-        parsed = reply.action()
-        if isinstance(parsed, ToolCall):
-            return parsed.reasoning, parsed.as_dict()
-        return parsed.reasoning, self.last_raw
-
-
-def _tools():
-    from agent.tools import tool_definitions
-    return tool_definitions()
+        return thought, action
 
 
 # ----------------------------------------------------------------------------- the agent

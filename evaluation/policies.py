@@ -97,24 +97,33 @@ class ModelPolicy:
             self.client.reset()  # a client bound to this env (the scripted expert) starts the episode afresh
 
     def act(self, env: SandboxEnv, observation: str) -> tuple[str, dict | str]:
-        from agent.clients import tool_call_text
-        from agent.models import ChatReply
 
         task, step = env.task, env.ctrl.steps
         messages = build_step_messages(task.instruction, env.known(), self.memory, observation, step,
                                        task.step_budget)
-        reply = self.client.chat(messages, tools=tool_definitions(), seed=(self.seed * 1_000_003 + step) % 2**31)
-        self.last_prompt, self.last_reply = messages, reply
-        self.last_raw = tool_call_text(reply)
-        parsed = reply.action()
-        if isinstance(parsed, ToolCall):
-            return parsed.reasoning, parsed.as_dict()
-        # the text the env must fail on exactly as the parser did: the content, or the first tool call
-        unreadable = reply.text if not reply.tool_calls else tool_call_text(ChatReply("", reply.tool_calls[:1]))
-        return parsed.reasoning, unreadable
+        self.last_prompt = messages
+        thought, action, self.last_raw, self.last_reply = model_decision(self.client, messages, self.seed, step)
+        return thought, action
 
     def observe(self, call, result_info: dict, observation: str) -> None:
         self.memory.add(call if isinstance(call, dict) else None, result_info["error"], observation)
+
+
+def model_decision(client: ChatModel, messages: list[dict], seed: int, step: int):
+    """One decision of a chat model through the shared parser: (reasoning, the call as a dict or the unreadable
+    text, the raw output with OpenAI tool calls rendered as `<tool_call>` markup, the reply). Sampling is seeded
+    per step from the episode seed, so an episode replays. Sandbox and pixel policies both decide through here."""
+    from agent.clients import tool_call_text
+    from agent.models import ChatReply
+
+    reply = client.chat(messages, tools=tool_definitions(), seed=(seed * 1_000_003 + step) % 2**31)
+    raw = tool_call_text(reply)
+    parsed = reply.action()
+    if isinstance(parsed, ToolCall):
+        return parsed.reasoning, parsed.as_dict(), raw, reply
+    # the text the env must fail on exactly as the parser did: the content, or the first tool call
+    unreadable = reply.text if not reply.tool_calls else tool_call_text(ChatReply("", reply.tool_calls[:1]))
+    return parsed.reasoning, unreadable, raw, reply
 
 
 POLICIES = {"expert": ExpertPolicy, "random": RandomPolicy}
