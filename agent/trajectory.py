@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -91,15 +92,15 @@ def temp_beside(path: Path, directory: bool = False) -> tuple[int | None, str]:
     return fd, tmp
 
 
-def write_jsonl(path: str | Path, rows: Iterable[BaseModel]) -> None:
-    """Write JSONL atomically: a temp file in the same folder, then rename."""
+@contextmanager
+def atomic_target(path: str | Path) -> Iterator[str]:
+    """A temp file path beside `path`: renamed onto `path` when the block succeeds, removed when it fails."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = temp_beside(path)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            for r in rows:
-                f.write(r.model_dump_json() + "\n")
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -107,8 +108,43 @@ def write_jsonl(path: str | Path, rows: Iterable[BaseModel]) -> None:
         raise
 
 
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` whole or not at all."""
+    with atomic_target(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    return Path(path)
+
+
+def open_text(path: str | Path):
+    """Open a text file for reading; a `.gz` name is read through gzip (shipped data sets are compressed)."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        import gzip
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def write_jsonl(path: str | Path, rows: Iterable[BaseModel]) -> None:
+    """Write JSONL atomically: a temp file in the same folder, then rename (gzip-compressed for a `.gz` name,
+    with a zero mtime so the same rows give the same bytes)."""
+    path = Path(path)
+    with atomic_target(path) as tmp:
+        if path.suffix == ".gz":
+            import gzip
+            import io
+            # no name and a zero mtime in the header: the same rows give the same bytes
+            with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as gz, \
+                    io.TextIOWrapper(gz, encoding="utf-8") as f:
+                for r in rows:
+                    f.write(r.model_dump_json() + "\n")
+        else:
+            with open(tmp, "w", encoding="utf-8") as f:
+                for r in rows:
+                    f.write(r.model_dump_json() + "\n")
+
+
 def read_jsonl(path: str | Path, model: type[BaseModel]) -> Iterator[BaseModel]:
-    with open(path) as f:
+    with open_text(path) as f:
         for i, line in enumerate(f, 1):
             if line.strip():
                 try:
@@ -132,7 +168,7 @@ def read_jsonl_lenient(path: str | Path, model: type[BaseModel]) -> tuple[list[t
     Returns ([(line number, row)], [errors])."""
     from pydantic import ValidationError
     rows, errors = [], []
-    with open(path) as f:
+    with open_text(path) as f:
         for i, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -179,6 +179,113 @@ def sft(recipe: Path = typer.Argument(..., help="recipe YAML"),
                                              "final")}))
 
 
+_BACKEND_HELP = "rule (offline, deterministic) | openai (any OpenAI-compatible endpoint)"
+
+
+@app.command("oracle-labels")
+def oracle_labels(recipe: Path = typer.Argument(..., help="recipe YAML"),
+                  out: Path = typer.Option(..., "--out", help="output folder: trajectories.jsonl, labels.jsonl, "
+                                                             "summary.json"),
+                  policies: str = typer.Option("expert,noisy,random", help="comma-separated: expert, noisy "
+                                                                           "(expert with typed mistakes), random"),
+                  split: str = typer.Option("all", help="train | test | all"),
+                  limit: Optional[int] = typer.Option(None, help="first N tasks only"),
+                  gzip: bool = typer.Option(False, "--gzip", help="write .jsonl.gz files"),
+                  quiet: bool = typer.Option(False, help="no progress bar")):
+    """Play the recipe's tasks and label every turn from the sandbox's ground truth (oracle labels, not human)."""
+    from pipeline.reward_stages import run_oracle_labels
+    try:
+        s = run_oracle_labels(load_recipe(recipe), out, tuple(p.strip() for p in policies.split(",") if p.strip()),
+                              split, limit, show_progress=not quiet, compress=gzip)
+    except (RecipeError, ValueError) as e:
+        _fail(str(e))
+    typer.echo(json.dumps({k: s[k] for k in ("tasks", "trajectories", "labels", "label_counts")}))
+
+
+@app.command()
+def evolve(labels: Path = typer.Option(..., "--labels", help="labels: JSONL, Argilla or Label Studio export"),
+           out: Path = typer.Option(..., "--out", help="output folder: prompts/, edits.jsonl, evolution.json, "
+                                                      "final_prompt.json"),
+           trajectories: Optional[Path] = typer.Option(None, help="trajectory JSONL (default: trajectories.jsonl "
+                                                                  "beside the labels)"),
+           start: str = typer.Option("default", help="default | draft | snapshot JSON | version in --prompts"),
+           prompts: Optional[Path] = typer.Option(None, help="a prompt snapshot folder to look --start up in"),
+           budget: int = typer.Option(200_000, help="judge calls the loop may spend (turn judgments not cached)"),
+           held_out: float = typer.Option(0.4, help="share of tasks held out to pick and report the final version"),
+           tolerance: float = typer.Option(0.02, help="largest per-skill agreement drop an accepted edit may cause"),
+           max_iterations: int = typer.Option(30, help="most edits to accept"),
+           backend: str = typer.Option("rule", help=_BACKEND_HELP),
+           model: Optional[str] = typer.Option(None, help="judge model for --backend openai"),
+           proposer_model: Optional[str] = typer.Option(None, help="a chat model that proposes edits as JSON "
+                                                                   "patches (default: the offline analyzer)"),
+           base_url: Optional[str] = typer.Option(None, help="endpoint for the openai models"),
+           api_key_env: str = typer.Option("OPENAI_API_KEY", help="environment variable that holds the key"),
+           seed: int = typer.Option(0, help="seed of the validation / held-out split"),
+           quiet: bool = typer.Option(False, help="no progress lines")):
+    """Evolve the reward prompt against labels: Cluster, Analyzer, Refiner, Validator, rollback, held-out pick."""
+    from pipeline.reward_stages import run_evolve
+    try:
+        s = run_evolve(labels, out, trajectories, start, prompts, budget, held_out, seed, tolerance, max_iterations,
+                       backend, model, base_url, api_key_env, proposer_model, show_progress=not quiet)
+    except ValueError as e:
+        _fail(str(e))
+    typer.echo(json.dumps({"held_out": {"start": {k: s["held_out"][0][k] for k in ("agreement", "kappa")},
+                                        "final": {k: s["final"][k] for k in ("prompt_version", "agreement",
+                                                                             "kappa")}},
+                           "validation": {"start": {k: s["start"][k] for k in ("agreement", "kappa")},
+                                          "final": {k: s["accepted_versions"][-1][k]
+                                                    for k in ("prompt_version", "agreement", "kappa")}},
+                           "edits_accepted": s["edits_accepted"], "edits_tried": s["edits_tried"],
+                           "judge_calls": s["judge_calls"], "stopped": s["stopped"]}))
+
+
+@app.command()
+def audit(labels: Path = typer.Option(..., "--labels", help="labels: JSONL, Argilla or Label Studio export"),
+          prompt: str = typer.Option("default", "--prompt", help="default | draft | snapshot JSON | version or "
+                                                                "hash in --prompts"),
+          out: Path = typer.Option(..., "--out", help="output folder: audit.json, report.md, PNG charts"),
+          trajectories: Optional[Path] = typer.Option(None, help="trajectory JSONL (default: trajectories.jsonl "
+                                                                 "beside the labels)"),
+          prompts: Optional[Path] = typer.Option(None, help="prompt snapshot folder (e.g. an evolve run's "
+                                                            "OUT/prompts)"),
+          compare: Optional[str] = typer.Option(None, help="a second prompt version: adds its agreement and a "
+                                                           "McNemar test"),
+          backend: str = typer.Option("rule", help=_BACKEND_HELP),
+          model: Optional[str] = typer.Option(None, help="judge model for --backend openai"),
+          base_url: Optional[str] = typer.Option(None, help="endpoint for --backend openai"),
+          api_key_env: str = typer.Option("OPENAI_API_KEY", help="environment variable that holds the key")):
+    """Audit a prompt version's judge against labels: agreement, kappa (bootstrap CI), per skill, confusion."""
+    from pipeline.reward_stages import run_audit
+    try:
+        r = run_audit(labels, prompt, out, trajectories, prompts, compare, backend, model, base_url, api_key_env)
+    except ValueError as e:
+        _fail(str(e))
+    keep = {k: r[k] for k in ("n", "agreement", "kappa", "kappa_ci", "missing", "judge_errors", "source")}
+    if "compare" in r:
+        c = r["compare"]
+        keep["compare"] = {"agreement": c["b"]["agreement"], "kappa": c["b"]["kappa"], "mcnemar": c["mcnemar"]}
+    typer.echo(json.dumps(keep))
+
+
+@app.command("export-disputed")
+def export_disputed(trajectories: Path = typer.Option(..., "--trajectories", help="trajectory JSONL"),
+                    out: Path = typer.Option(..., "--out", help="output folder: argilla/, label_studio/"),
+                    prompt: str = typer.Option("default", help="the judge's prompt version"),
+                    prompts: Optional[Path] = typer.Option(None, help="prompt snapshot folder"),
+                    labels: Optional[Path] = typer.Option(None, help="existing labels (a disagreement counts)"),
+                    compare: Optional[str] = typer.Option(None, help="a second prompt version (a split counts)"),
+                    top: int = typer.Option(100, help="how many cases to export")):
+    """Export the most disputed turns to Argilla and Label Studio import formats for people to label."""
+    from pipeline.reward_stages import run_export_disputed
+    if not trajectories.is_file():
+        _fail(f"--trajectories {trajectories}: no such file")
+    try:
+        s = run_export_disputed(trajectories, out, prompt, prompts, labels, compare, top)
+    except ValueError as e:
+        _fail(str(e))
+    typer.echo(json.dumps(s))
+
+
 def main() -> None:  # pragma: no cover
     app()
 

@@ -140,15 +140,12 @@ def run_judge(trajectories: Path, out: Path, backend: str = "rule", model: str |
               cache_path: Path | None = None, show_progress: bool = True) -> dict:
     """Judge a trajectory file: bad lines are reported by line and field and skipped; the rest are judged."""
     from agent.trajectory import Trajectory, read_jsonl_lenient
-    from reward_engine.judge import LLMBackend, RewardEngine, RuleBackend, VerdictCache, summarize
+    from reward_engine.judge import LLMBackend, RewardEngine, VerdictCache, summarize
     from reward_engine.prompt import PromptStore, default_prompt, load_prompt
     rows, bad = read_jsonl_lenient(trajectories, Trajectory)
     prompt = load_prompt(prompt_path) if prompt_path else default_prompt()
-    if backend == "rule":
-        be = RuleBackend()
-    else:
-        from agent.clients import OpenAIClient
-        be = LLMBackend(OpenAIClient(model, base_url=base_url, api_key_env=api_key_env))
+    from pipeline.reward_stages import judge_backend
+    be = judge_backend(backend, model, base_url, api_key_env)
     engine = RewardEngine(prompt, be, VerdictCache(cache_path or out / "cache.jsonl"))
     bar = tqdm(total=len(rows), desc=f"judge ({be.id})", unit="traj", disable=not show_progress)
     verdicts = []

@@ -126,6 +126,10 @@ class VerdictCache:
             self.hits += 1
         return TurnVerdict.model_validate(v)
 
+    def has(self, key: str) -> bool:
+        with self._lock:
+            return key in self._d
+
     def put(self, key: str, verdict: TurnVerdict) -> None:
         if verdict.judge_error is not None:
             return  # failures are retried next time, never replayed
@@ -279,6 +283,37 @@ def _turn_line(traj: Trajectory, i: int, full: bool = False) -> str:
     return line
 
 
+def ask_json(client, messages: list[dict], first, check: Callable[[str], object], max_repairs: int, stats: dict,
+             seed: int = 0, max_tokens: int = 400):
+    """Validate a model's JSON reply, feeding the error back at most `max_repairs` times.
+
+    `first` is the reply to `messages` already fetched (a `ChatReply`, a `ModelError`, or None to fetch it
+    here); `check(text)` returns the parsed object or an error string. Returns (object, None) or
+    (None, "model_error: ..." | "invalid_reply: ..."). A transport failure is not retried here: the client
+    already retried it. `stats` counts "calls" (beyond the first) and "repairs"."""
+    from agent.models import ModelError
+    reply, err, msgs = first, None, list(messages)
+    for attempt in range(max_repairs + 1):
+        if attempt > 0 or reply is None:
+            if attempt > 0:
+                stats["repairs"] = stats.get("repairs", 0) + 1
+                stats["calls"] = stats.get("calls", 0) + 1
+            try:
+                reply = client.chat(msgs, temperature=0.0, seed=seed, max_tokens=max_tokens, json_mode=True)
+            except ModelError as e:
+                reply = e
+        if isinstance(reply, Exception):
+            return None, f"model_error:{getattr(reply, 'kind', 'error')}: {str(reply)[:160]}"
+        checked = check(reply.text)
+        if not isinstance(checked, str):
+            return checked, None
+        err = f"invalid_reply: {checked}"
+        msgs = msgs + [{"role": "assistant", "content": reply.text[:2000]},
+                       {"role": "user", "content": f"Your reply was invalid: {checked}. Reply again with only the "
+                                                   "JSON object."}]
+    return None, err
+
+
 class LLMBackend:
     """Asks a chat model for each turn's verdict as JSON, rendered from the same prompt components."""
 
@@ -328,7 +363,6 @@ class LLMBackend:
         return j
 
     def judge(self, prompt: RewardPrompt, h: History, ts: list[int]) -> list[TurnVerdict]:
-        from agent.models import ModelError
         hits = {t: verifiable_hits(prompt, h, t, semantic=False) for t in ts}
         convs = {t: self.messages(prompt, h, t, hits[t]) for t in ts}
         first = self.client.chat_many([convs[t] for t in ts], temperature=0.0, seed=self.seed,
@@ -336,29 +370,8 @@ class LLMBackend:
         out = []
         for t, reply in zip(ts, first, strict=True):
             self.stats["calls"] += 1
-            msgs = list(convs[t])
-            verdict = None
-            err = None
-            for attempt in range(self.max_repairs + 1):
-                if attempt > 0:
-                    self.stats["repairs"] += 1
-                    self.stats["calls"] += 1
-                    try:
-                        reply = self.client.chat(msgs, temperature=0.0, seed=self.seed, max_tokens=self.max_tokens,
-                                                 json_mode=True)
-                    except ModelError as e:
-                        reply = e
-                if isinstance(reply, Exception):
-                    err = f"model_error:{getattr(reply, 'kind', 'error')}: {str(reply)[:160]}"
-                    break  # the client already retried its transport; do not hammer a failing server
-                checked = self._check(prompt, reply.text, t)
-                if isinstance(checked, TurnJudgment):
-                    verdict = checked
-                    break
-                err = f"invalid_reply: {checked}"
-                msgs = msgs + [{"role": "assistant", "content": reply.text[:2000]},
-                               {"role": "user", "content": f"Your reply was invalid: {checked}. Reply again with "
-                                                           "only the JSON object."}]
+            verdict, err = ask_json(self.client, convs[t], reply, lambda text, t=t: self._check(prompt, text, t),
+                                    self.max_repairs, self.stats, seed=self.seed, max_tokens=self.max_tokens)
             if verdict is None:
                 self.stats["judge_errors"] += 1
                 skill = _skill(h.traj, t)
@@ -404,11 +417,20 @@ class RewardEngine:
         self.backend = backend or RuleBackend()
         self.cache = cache if cache is not None else VerdictCache()
 
-    def score(self, traj: Trajectory) -> TrajectoryVerdict:
+    def cache_keys(self, traj: Trajectory) -> list[str]:
+        """One key per turn: (backend, hash of the components that judge it, hash of the turn and its past)."""
         p = self.prompt
         content = turn_content_hashes(traj)
-        keys = [f"{self.backend.id}|{p.turn_components_hash(_skill(traj, t))}|{content[t]}"
+        return [f"{self.backend.id}|{p.turn_components_hash(_skill(traj, t))}|{content[t]}"
                 for t in range(len(traj.turns))]
+
+    def uncached(self, trajs) -> int:
+        """How many turn judgments scoring these trajectories would cost (the cache answers the rest)."""
+        return len({k for tr in trajs for k in self.cache_keys(tr) if not self.cache.has(k)})
+
+    def score(self, traj: Trajectory) -> TrajectoryVerdict:
+        p = self.prompt
+        keys = self.cache_keys(traj)
         verdicts: list[TurnVerdict | None] = [self.cache.get(k) for k in keys]
         hits = sum(v is not None for v in verdicts)
         todo = [t for t, v in enumerate(verdicts) if v is None]

@@ -432,3 +432,20 @@ def default_prompt() -> RewardPrompt:
                                   "of rubric items or rules that the turn breaks).")
     return RewardPrompt(sections=sections, rules=rules, examples=examples, scoring=scoring, episode=episode,
                         output=output)
+
+
+def draft_prompt() -> RewardPrompt:
+    """A first draft, as someone might write before looking at any labelled data: the same sections and
+    scores as `default_prompt`, but only the general format checks, hallucinated ids filed under malformed,
+    no skill rubric items, no temporal rules and no examples. The evolution benchmark starts from it
+    (`benchmarks/reward_evolution.py`); it is never the default judge."""
+    base = default_prompt()
+    fmt = {"general.unreadable", "general.invalid_tool", "general.bad_arguments", "general.after_end",
+           "general.unknown_entity"}
+    sections = []
+    for s in base.sections:
+        items = [it.model_copy(update={"label": "malformed"}) if it.id == "general.unknown_entity" else it
+                 for it in s.items if it.id in fmt]
+        sections.append(s.model_copy(update={"items": items}))
+    return RewardPrompt(name="embodied-reward-draft", sections=sections, rules=[], examples=[],
+                        scoring=base.scoring, episode=base.episode, output=base.output)
