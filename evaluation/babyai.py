@@ -18,7 +18,6 @@ import contextlib
 import io
 import json
 import math
-import multiprocessing as mp
 import os
 import time
 from dataclasses import dataclass
@@ -26,6 +25,8 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+
+from evaluation.isolation import PAYLOAD_KEYS, PolicyProcess, check_payload, probe  # noqa: F401 - re-exported
 
 # levels whose missions the skills express (no "object behind you"-style locations except where parsed); the
 # README lists them. name -> gymnasium id
@@ -44,7 +45,6 @@ LEVELS = {
     "Synth": "BabyAI-Synth-v0",                # go to / pick up / open / put next, 3x3 rooms
 }
 VIEWS = ("topdown", "topdown-fov", "egocentric")
-PAYLOAD_KEYS = {"op", "mission", "frame", "seed"}  # all the policy process ever receives
 
 
 def level_id(level: str) -> str:
@@ -149,6 +149,9 @@ class PolicySpec:
     vision_base_url: str | None = None
     vision_api_key_env: str = "OPENAI_API_KEY"
 
+    def build(self):
+        return build_agent(self)
+
 
 def build_agent(spec: PolicySpec):
     from evaluation.perception import VisionPerception
@@ -168,109 +171,6 @@ def build_agent(spec: PolicySpec):
                                                    api_key_env=spec.vision_api_key_env), spec.tile_size)
     return PixelAgent(policy, view=spec.view, tile_size=spec.tile_size, skill_budget=spec.skill_budget,
                       perception=perception)
-
-
-def _serve(conn, spec: PolicySpec) -> None:
-    """The policy process: build the agent, then answer reset / act / probe messages until close."""
-    agent = None
-    try:
-        agent = build_agent(spec)
-        conn.send({"ready": True, "pid": os.getpid()})
-    except Exception as e:  # report, do not hang the evaluator
-        conn.send({"ready": False, "error": f"{type(e).__name__}: {e}"})
-        return
-    while True:
-        msg = conn.recv()
-        op = msg.get("op")
-        try:
-            if op == "close":
-                return
-            if op == "reset":
-                conn.send(agent.reset(msg["mission"], msg["frame"], msg.get("seed", 0)))
-            elif op == "act":
-                conn.send(agent.act(msg["frame"]))
-            elif op == "probe":
-                conn.send(probe())
-            else:
-                conn.send({"error": f"unknown op {op!r}"})
-        except Exception as e:
-            conn.send({"error": f"{type(e).__name__}: {e}"})
-
-
-def probe() -> dict:
-    """What this process can reach: any gymnasium environment object at all (there must be none)."""
-    import gc
-    import sys
-
-    envs = 0
-    if "gymnasium" in sys.modules:
-        import gymnasium
-        envs = sum(1 for o in gc.get_objects() if isinstance(o, gymnasium.Env))
-    return {"pid": os.getpid(), "env_objects": envs}
-
-
-def check_payload(msg: dict) -> dict:
-    """Every message to the policy process passes here: only the op, the mission text, the RGB frame and a seed."""
-    extra = set(msg) - PAYLOAD_KEYS
-    if extra:
-        raise ValueError(f"the policy process may not receive {sorted(extra)}")
-    if "frame" in msg and not (isinstance(msg["frame"], np.ndarray) and msg["frame"].dtype == np.uint8 and
-                               msg["frame"].ndim == 3):
-        raise ValueError("the frame must be an HxWx3 uint8 array")
-    if "mission" in msg and not isinstance(msg["mission"], str):
-        raise ValueError("the mission must be text")
-    return msg
-
-
-class PolicyProcess:
-    """The policy in its own process (spawned: it shares no memory with the evaluator). `sent` keeps every
-    payload's keys for audits."""
-
-    def __init__(self, spec: PolicySpec, timeout: float = 300.0):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, spec), daemon=True)
-        self.proc.start()
-        self.timeout = timeout
-        self.sent: list[tuple[str, ...]] = []
-        hello = self._recv()
-        if not hello.get("ready"):
-            self.close()
-            raise RuntimeError(f"the policy process could not start: {hello.get('error')}")
-        self.pid = hello["pid"]
-
-    def _recv(self) -> dict:
-        deadline = time.time() + self.timeout
-        while not self.conn.poll(0.2):
-            if not self.proc.is_alive():
-                raise RuntimeError(f"the policy process died (exit code {self.proc.exitcode}); with the spawn "
-                                   "start method a script must guard its entry point with "
-                                   "`if __name__ == '__main__':`")
-            if time.time() > deadline:
-                self.close()
-                raise TimeoutError(f"the policy process did not answer within {self.timeout:.0f} s")
-        reply = self.conn.recv()
-        if "error" in reply and "ready" not in reply:
-            raise RuntimeError(f"policy process: {reply['error']}")
-        return reply
-
-    def call(self, **msg) -> dict:
-        self.conn.send(check_payload(msg))
-        self.sent.append(tuple(sorted(msg)))
-        return self._recv()
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.conn.send({"op": "close"})
-        self.proc.join(timeout=10)
-        if self.proc.is_alive():
-            self.proc.kill()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 # ----------------------------------------------------------------------------- the evaluator

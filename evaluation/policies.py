@@ -109,14 +109,16 @@ class ModelPolicy:
         self.memory.add(call if isinstance(call, dict) else None, result_info["error"], observation)
 
 
-def model_decision(client: ChatModel, messages: list[dict], seed: int, step: int):
+def model_decision(client: ChatModel, messages: list[dict], seed: int, step: int, tools: list[dict] | None = None):
     """One decision of a chat model through the shared parser: (reasoning, the call as a dict or the unreadable
     text, the raw output with OpenAI tool calls rendered as `<tool_call>` markup, the reply). Sampling is seeded
-    per step from the episode seed, so an episode replays. Sandbox and pixel policies both decide through here."""
+    per step from the episode seed, so an episode replays. Sandbox and pixel policies all decide through here
+    (`tools` defaults to the sandbox skills)."""
     from agent.clients import tool_call_text
     from agent.models import ChatReply
 
-    reply = client.chat(messages, tools=tool_definitions(), seed=(seed * 1_000_003 + step) % 2**31)
+    reply = client.chat(messages, tools=tools if tools is not None else tool_definitions(),
+                        seed=(seed * 1_000_003 + step) % 2**31)
     raw = tool_call_text(reply)
     parsed = reply.action()
     if isinstance(parsed, ToolCall):

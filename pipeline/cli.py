@@ -33,6 +33,16 @@ def build(recipe: Path = typer.Argument(..., help="recipe YAML"),
     typer.echo(json.dumps({k: stats[k] for k in ("total", "accepted", "rejected", "expert_solved", "splits")}))
 
 
+def _pixel_recipe(recipe: Path, episodes: int):
+    """The recipe of a pixel evaluation (its eval seed), after checking the episode count."""
+    if episodes < 1:
+        _fail(f"--episodes must be >= 1, not {episodes}")
+    try:
+        return load_recipe(recipe)
+    except RecipeError as e:
+        _fail(str(e))
+
+
 @app.command("eval")
 def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
              policy: str = typer.Option("expert", help="expert | random | PATH (a model folder, e.g. "
@@ -40,16 +50,20 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
              split: str = typer.Option("test", help="train | test (sandbox only)"),
              out: Path = typer.Option(..., "--out", help="output folder for metrics.json"),
              tasks: Optional[Path] = typer.Option(None, help="folder written by `embodistill build` (else built)"),
-             env: str = typer.Option("sandbox", help="sandbox, or babyai:LEVEL for pixel evaluation on a BabyAI "
-                                                     "level (e.g. babyai:GoTo)"),
+             env: str = typer.Option("sandbox", help="sandbox, babyai:LEVEL for pixel evaluation on a BabyAI "
+                                                     "level (e.g. babyai:GoTo), or browser:TASK for a browser task "
+                                                     "from evaluation/browser_tasks.yaml (e.g. browser:click-button)"),
+             interface: str = typer.Option("computer", help="browser: computer (click/move/key/type at screenshot "
+                                                            "pixels) | semantic (the task's named actions)"),
              episodes: int = typer.Option(50, help="babyai: episodes (seeds from the recipe's eval seed)"),
              view: str = typer.Option("topdown", help="babyai: topdown (the whole frame) | topdown-fov (objects "
                                                       "only inside the highlighted field of view) | egocentric "
                                                       "(the agent's own 7x7 view)"),
-             vision_model: Optional[str] = typer.Option(None, help="babyai: perceive frames with this "
+             vision_model: Optional[str] = typer.Option(None, help="babyai/browser: perceive frames with this "
                                                                    "OpenAI-compatible vision model instead of the "
-                                                                   "sprite detector"),
-             vision_base_url: Optional[str] = typer.Option(None, help="babyai: the vision model's endpoint"),
+                                                                   "sprite detector / Tesseract"),
+             vision_base_url: Optional[str] = typer.Option(None, help="babyai/browser: the vision model's "
+                                                                      "endpoint"),
              quiet: bool = typer.Option(False, help="no progress bar")):
     """Run a policy on a split (sandbox) or on a BabyAI level from RGB frames (babyai:LEVEL) and write
     metrics.json: TSR, GCR, steps, invalid-action rate per difficulty; or success with a Wilson interval, steps
@@ -65,12 +79,7 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
             _fail(f"unknown BabyAI level {level!r}; available: {', '.join(LEVELS)}")
         if view not in VIEWS:
             _fail(f"--view must be one of {', '.join(VIEWS)}, not {view!r}")
-        if episodes < 1:
-            _fail(f"--episodes must be >= 1, not {episodes}")
-        try:
-            r = load_recipe(recipe)
-        except RecipeError as e:
-            _fail(str(e))
+        r = _pixel_recipe(recipe, episodes)
         bar = tqdm(total=episodes, desc=f"{policy} on {level}", unit="ep", disable=quiet)
         m = evaluate_babyai(level, policy, episodes, out, seed=r.eval.seed, view=view, progress=bar.update,
                             vision_model=vision_model, vision_base_url=vision_base_url)
@@ -79,8 +88,31 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
                                                  "mean_steps", "step_ratio_to_bot", "invalid_action_rate",
                                                  "deadlocks", "perception_accuracy")}))
         return
+    if env.startswith("browser:"):
+        from tqdm import tqdm
+
+        from evaluation.browser import INTERFACES, BrowserUnavailable, evaluate_browser, get_task
+        task = env.split(":", 1)[1]
+        try:
+            get_task(task)
+        except ValueError as e:
+            _fail(str(e))
+        if interface not in INTERFACES:
+            _fail(f"--interface must be one of {', '.join(INTERFACES)}, not {interface!r}")
+        r = _pixel_recipe(recipe, episodes)
+        bar = tqdm(total=episodes, desc=f"{policy} on {task}", unit="ep", disable=quiet)
+        try:
+            m = evaluate_browser(task, policy, episodes, out, seed=r.eval.seed, interface=interface,
+                                 progress=bar.update, vision_model=vision_model, vision_base_url=vision_base_url)
+        except BrowserUnavailable as e:
+            _fail(str(e))
+        bar.close()
+        typer.echo(json.dumps({k: m[k] for k in ("task", "policy", "interface", "episodes", "success_rate",
+                                                 "success_wilson95", "progress", "mean_steps", "invalid_action_rate",
+                                                 "no_tool_call_rate", "out_of_space_rate", "env_failures")}))
+        return
     if env != "sandbox":
-        _fail(f"--env must be sandbox or babyai:LEVEL, not {env!r}")
+        _fail(f"--env must be sandbox, babyai:LEVEL or browser:TASK, not {env!r}")
     from pipeline.stages import run_eval
     if split not in ("train", "test"):
         _fail(f"--split must be train or test, not {split!r}")
