@@ -343,7 +343,7 @@ class RuleAnalyzer:
         cited: Counter = Counter()
         cites: dict[str, set[str]] = {}
         for tv in ev.verdicts:
-            key = f"{tv.task_id}|{tv.policy}|{tv.seed}"
+            key = trajectory_key(tv)
             for v in tv.turns:
                 for x in v.violations:
                     cites.setdefault(x.id, set()).add(f"{key}#{v.index}")
@@ -490,7 +490,7 @@ class LLMProposer:
         for cid in cl.cases[:self.cases_shown]:
             lb = gold[cid]
             tr = self.data.trajs[self.data.index[lb.trajectory]]
-            v = next(tv for tv in ev.verdicts if f"{tv.task_id}|{tv.policy}|{tv.seed}" == lb.trajectory)
+            v = next(tv for tv in ev.verdicts if trajectory_key(tv) == lb.trajectory)
             tv = v.turns[lb.turn]
             lines += [f"Case {cid} (task: {tr.instruction})",
                       *[_turn_line(tr, i) for i in range(max(0, lb.turn - 3), lb.turn)],

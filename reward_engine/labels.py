@@ -24,7 +24,8 @@ LabelSource = Literal["oracle", "human", "judge"]
 
 
 def trajectory_key(traj: Trajectory) -> str:
-    """The id a label uses for its trajectory: task, policy and seed (unique within a label set)."""
+    """The id a label uses for its trajectory: task, policy and seed (unique within a label set). A judge's
+    `TrajectoryVerdict` carries the same three fields and gives the same key."""
     return f"{traj.task_id}|{traj.policy}|{traj.seed}"
 
 
