@@ -1,7 +1,7 @@
 """The self-evolution loop: Cluster -> Analyzer -> Refiner -> Validator, with rollback and provenance.
 
 - **Cluster** groups the low-quality judge cases of the validation set (the judge disagrees with the label,
-  or the Meta-Judge fails the verdict) by rubric section, judge label and correct label.
+  or the Meta-Judge fails the verdict) by skill and failure type (the judge's label -> the correct label).
 - **Analyzer** finds the component at fault and plans one revision. Offline (`RuleAnalyzer`) it is a
   deterministic diagnoser: a component cited on most of the cluster's cases whose citations carry another
   label on the whole set is relabelled (or removed when its cases are mostly useful); a check from the
@@ -239,7 +239,8 @@ class Cluster(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     key: str
-    section: str
+    skill: str                     # the turns' skill ("(malformed)" for unreadable output)
+    section: str                   # the rubric section that judges that skill
     judge_label: str
     label: str
     cases: list[str]
@@ -247,8 +248,9 @@ class Cluster(BaseModel):
 
 
 def cluster_cases(prompt: RewardPrompt, data: LabelledSet, ev: Evaluation, min_size: int = 2) -> list[Cluster]:
-    """Low-quality cases (disagreement with the label, or a Meta-Judge failure) grouped by rubric section,
-    judge label and correct label; largest first, ties by key (deterministic)."""
+    """Low-quality cases (disagreement with the label, or a Meta-Judge failure) grouped by skill and failure type
+    (the judge's label -> the correct label); each cluster also counts its turns' error codes and failed
+    Meta-Judge dimensions. Largest first, ties by key (deterministic)."""
     groups: dict[tuple[str, str, str], list[str]] = {}
     kinds: dict[tuple[str, str, str], Counter] = {}
     for lb in data.labels:
@@ -256,19 +258,18 @@ def cluster_cases(prompt: RewardPrompt, data: LabelledSet, ev: Evaluation, min_s
         meta = ev.metas.get(lb.case_id)
         if got == lb.label and (meta is None or meta.ok):
             continue
-        tr = data.trajs[data.index[lb.trajectory]]
-        u = tr.turns[lb.turn]
-        sec = prompt.section_for(lb.skill if lb.skill in SKILL_SECTION else None).id
-        k = (sec, got, lb.label)
+        u = data.trajs[data.index[lb.trajectory]].turns[lb.turn]
+        k = (skill_key(lb.skill if lb.skill in SKILL_SECTION else None), got, lb.label)
         groups.setdefault(k, []).append(lb.case_id)
         c = kinds.setdefault(k, Counter())
         c[u.error or "ok"] += 1
         if meta is not None and not meta.ok:
             for d in meta.failed:
                 c[f"meta:{d}"] += 1
-    out = [Cluster(key=f"{s}:{j}->{g}", section=s, judge_label=j, label=g, cases=cs,
-                   failure_types=dict(kinds[(s, j, g)]))
-           for (s, j, g), cs in groups.items() if len(cs) >= min_size]
+    out = [Cluster(key=f"{sk}:{j}->{g}", skill=sk,
+                   section=prompt.section_for(None if sk == skill_key(None) else sk).id, judge_label=j, label=g,
+                   cases=cs, failure_types=dict(kinds[(sk, j, g)]))
+           for (sk, j, g), cs in groups.items() if len(cs) >= min_size]
     return sorted(out, key=lambda c: (-len(c.cases), c.key))
 
 
