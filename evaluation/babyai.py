@@ -17,8 +17,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +25,7 @@ from typing import Callable
 import numpy as np
 
 from evaluation.isolation import PAYLOAD_KEYS, PolicyProcess, check_payload, probe  # noqa: F401 - re-exported
+from evaluation.pixel_report import wilson, write_strip  # noqa: F401 - re-exported
 
 # levels whose missions the skills express (no "object behind you"-style locations except where parsed); the
 # README lists them. name -> gymnasium id
@@ -79,17 +78,6 @@ def world_pose(canvas_pose, canvas_start, world_start) -> tuple[int, int, int]:
     for _ in range(k):
         dx, dy = -dy, dx
     return world_start[0] + dx, world_start[1] + dy, (canvas_pose[2] + k) % 4
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion k/n (95% by default)."""
-    if n == 0:
-        return (0.0, 1.0)
-    p = k / n
-    den = 1 + z * z / n
-    mid = (p + z * z / (2 * n)) / den
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return (max(0.0, mid - half), min(1.0, mid + half))
 
 
 class _BotTimeout(Exception):
@@ -290,10 +278,10 @@ def evaluate_babyai(level: str, policy: str, episodes: int, out: Path, seed: int
               "perception": f"vision:{vision_model}" if vision_model else "sprites",
               "seed": seed, "skill_budget": skill_budget, "deadlock_turns": deadlock_turns,
               "payload_keys": [list(k) for k in audit], "wall_s": round(time.time() - t0, 1)})
-    from agent.trajectory import write_json
-    (out / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from agent.trajectory import write_json, write_text_atomic
+    write_text_atomic(out / "episodes.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     write_json(out / "metrics.json", m)
-    (out / "report.md").write_text(report(m, rows))
+    write_text_atomic(out / "report.md", report(m, rows))
     return m
 
 
@@ -320,17 +308,6 @@ def summarize(rows: list[dict]) -> dict:
         "pose_accuracy": (sum(r["pose_correct"] for r in rows) / frames) if frames else None,
         "ends": {e: sum(r["end"] == e for r in rows) for e in sorted({r["end"] for r in rows})},
     }
-
-
-def write_strip(frames: list[np.ndarray], path: Path, n: int = 8) -> None:
-    """Up to `n` frames of an episode, evenly spaced, side by side."""
-    from PIL import Image
-
-    idx = sorted({round(i * (len(frames) - 1) / max(1, n - 1)) for i in range(min(n, len(frames)))})
-    strip = np.concatenate([np.pad(frames[i], ((2, 2), (2, 2), (0, 0)), constant_values=255) for i in idx], axis=1)
-    tmp = path.with_suffix(".tmp.png")
-    Image.fromarray(strip).save(tmp)
-    os.replace(tmp, path)
 
 
 def report(m: dict, rows: list[dict]) -> str:

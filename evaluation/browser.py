@@ -444,7 +444,7 @@ def run_episode(env: BrowserEnv, proc, seed: int, interface: str) -> dict:
 
 
 def summarize(rows: list[dict], task: BrowserTask) -> dict:
-    from evaluation.babyai import wilson
+    from evaluation.pixel_report import wilson
     played = [r for r in rows if not r["env_failure"] or r["steps"] > 0]
     n = len(played)
     k = sum(r["success"] for r in played)
@@ -471,7 +471,7 @@ def evaluate_browser(task_id: str, policy: str, episodes: int, out: Path, seed: 
                      vision_base_url: str | None = None) -> dict:
     """Episodes with seeds seed .. seed+episodes-1; writes metrics.json, episodes.jsonl, report.md, strips."""
     from agent.trajectory import write_json, write_text_atomic
-    from evaluation.babyai import write_strip
+    from evaluation.pixel_report import write_strip
     from evaluation.isolation import PolicyProcess
     task = get_task(task_id, catalogue)
     if interface not in INTERFACES:
