@@ -78,10 +78,12 @@ def render_known(known: dict) -> str:
         where = {lm: pid for pid, lms in marks.items() for lm in lms}
         # ids stand as words (" at kitchen", not "@kitchen"), so a BPE tokenizer splits an id the same way here as
         # in a call ("navigate kitchen")
-        # the name comes first and the id right after it, as in observations ("grey ball [ball_2]"): the id to
-        # copy into a call then follows the words that the instruction matches
+        # the name comes first and the id right after it, as in observations ("white phone charger [charger_1]"):
+        # the id to copy into a call then follows the words that the instruction matches; a descriptive id
+        # (`yellow_key`, the BabyAI vocabulary) stands alone, like a place named by its id
         lines.append("Objects: " + "; ".join(
-            f"{name} {oid} " + ("held" if loc == "held" else f"at {where[loc]} {loc}" if loc in where else f"at {loc}")
+            (oid if name.replace(" ", "_") == oid else f"{name} {oid}") + " " +
+            ("held" if loc == "held" else f"at {where[loc]} {loc}" if loc in where else f"at {loc}")
             for oid, name, loc in known["objects"]))
     if known["people"]:
         lines.append("People: " + "; ".join(f"{pid} {name}, {role} at {loc}" for pid, name, role, loc

@@ -2,8 +2,8 @@
 text format, and a skill executor that turns sandbox skill calls into MiniGrid's primitive actions by planning
 over that belief (never over the environment).
 
-- `GridBelief` keeps the last-seen content of every cell, the agent's pose, the objects it has seen (ids assigned
-  in order of first sight, `ball_1`, `key_2`, ...), what it holds and the rooms it has stood in. Rooms come from
+- `GridBelief` keeps the last-seen content of every cell, the agent's pose, the objects it has seen (ids as the
+  sandbox's rooms scene names them, colour and type: `red_ball`, `red_ball_2` for a second look-alike), what it holds and the rooms it has stood in. Rooms come from
   the walls: connected floor regions, named like the sandbox's rooms scene (`room_<row>_<col>`, "north-west room"
   in a 3x3 grid); doors are named `<colour>_door_<room>_<room>`. `known()` is the sandbox's known-map dict, so
   `agent.prompt.build_step_messages` renders it unchanged and a sandbox-trained student reads the same prompt.
@@ -20,7 +20,7 @@ from typing import Generator
 import numpy as np
 
 from evaluation.perception import CARRYABLE, COLORS, DIR_VEC, STATES, TYPE_IDX, TYPES, Percept
-from sandbox.skills import CallError, check_call
+from sandbox.skills import CallError, check_call, described_id
 
 # MiniGrid's primitive actions
 LEFT, RIGHT, FORWARD, PICKUP, DROP, TOGGLE, DONE = range(7)
@@ -99,7 +99,6 @@ class GridBelief:
         self.pose: tuple[int, int, int] | None = None
         self.objects: dict[str, Obj] = {}
         self.at: dict[tuple[int, int], str] = {}
-        self.counts: dict[str, int] = {}
         self.holding: str | None = None
         self.visited: set[str] = set()
         self.room_of: np.ndarray | None = None
@@ -148,7 +147,8 @@ class GridBelief:
     def track_objects(self, seen, last_action: int | None, front) -> None:
         """Object identity across frames, from the cells seen now ((cell, encoding) pairs): an object seen where
         the same kind was seen keeps its id; one that vanished from the cell ahead after a pick-up is held; the
-        held object reappearing ahead after a drop is the same object; anything else new gets the next id."""
+        held object reappearing ahead after a drop is the same object; anything else new gets a new id (`red_ball`,
+        then `red_ball_2`)."""
         self.seen_now = set()
         for (x, y), enc in seen:
             t, c = int(enc[0]), int(enc[1])
@@ -165,9 +165,8 @@ class GridBelief:
                     new = held
                     self.holding = None
                 else:
-                    n = self.counts.get(TYPES[t], 0) + 1
-                    self.counts[TYPES[t]] = n
-                    new = Obj(f"{TYPES[t]}_{n}", TYPES[t], COLORS[c], None)
+                    # the sandbox's `rooms` ids: colour and type, numbered only for a look-alike
+                    new = Obj(described_id(COLORS[c], TYPES[t], self.objects), TYPES[t], COLORS[c], None)
                     self.objects[new.oid] = new
                 new.pos = (x, y)
                 self.at[(x, y)] = new.oid

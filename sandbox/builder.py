@@ -24,6 +24,7 @@ from sandbox.expert import solve
 from sandbox.schema import (
     DIFFICULTIES, FailureTrigger, GoalStep, ObjectRef, SceneConnection, ScenePack, Subgoal, TaskInstance,
 )
+from sandbox.skills import described_id
 from sandbox.world import Compiled, World
 
 # ----------------------------------------------------------------------------- configuration
@@ -134,7 +135,8 @@ def sample_layout(scene: ScenePack, rng: random.Random) -> dict:
         if color is not None:
             used_colors.setdefault(it.type, set()).add(color)
         counts[it.type] += 1
-        oid = f"{it.type}_{counts[it.type]}"
+        oid = (described_id(color, it.type, {o["id"] for o in objects}) if scene.vocabulary == "babyai"
+               else f"{it.type}_{counts[it.type]}")
         name = f"{color} {it.name}" if color and (scene.vocabulary == "babyai" or rng.random() < 0.7) else it.name
         if scene.vocabulary == "babyai":
             name = f"{color} {it.name}"
@@ -498,6 +500,7 @@ class Draw:
                 name, color = f"{c['color']} key", c["color"]
                 if any(o["type"] == "key" and o.get("color") == color for o in self.env["objects"]):
                     return False  # a second key of that colour would make the instruction ambiguous
+                kid = described_id(color, "key", taken)
             else:
                 other = c["b"] if c["a"] in reach else c["a"]
                 name, color = f"key to the {_pname(self.env, other)} {c['kind']}", None
@@ -656,7 +659,9 @@ class Draw:
         colors = [c for c in it.colors if c != o.get("color")] or ["plain"]
         color = self.rng.choice(colors)
         n = len([x for x in self.env["objects"] if x["type"] == o["type"]]) + 1
-        twin = {"id": f"{o['type']}_{n}", "type": o["type"], "name": f"{color} {it.name}", "color": color,
+        twin_id = (described_id(color, o["type"], {x["id"] for x in self.env["objects"]})
+                   if self.scene.vocabulary == "babyai" else f"{o['type']}_{n}")
+        twin = {"id": twin_id, "type": o["type"], "name": f"{color} {it.name}", "color": color,
                 "size": o.get("size", "small"), "location": o["location"], "_item": o["_item"],
                 "owner": self.rng.choice(others) if others else None}
         self.env["objects"].append(twin)

@@ -135,3 +135,17 @@ def check_call(call) -> tuple[str, dict[str, str]] | CallError:
             return CallError("bad_argument_value", f"{name}.{p.name} must be one of {', '.join(p.enum)}.")
         clean[p.name] = v
     return name, clean
+
+
+def described_id(color: str | None, kind: str, taken) -> str:
+    """The id of a coloured object in the BabyAI vocabulary (the `rooms` scene and the pixel tracks' perception):
+    its colour and type, `yellow_key`, with a number only for a second look-alike (`yellow_key_2`). A skill call
+    names the object in the words the instruction uses ("go to the yellow key" -> `navigate yellow_key`), so
+    a student maps the task's words to the argument instead of looking a number up in the map (ALFWorld's ids,
+    `apple 1`, are descriptive the same way)."""
+    base = f"{color}_{kind}" if color else kind
+    oid, n = base, 1
+    while oid in taken:
+        n += 1
+        oid = f"{base}_{n}"
+    return oid

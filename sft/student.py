@@ -101,8 +101,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, reasoning: bool = Fal
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))
-    # an id is the same token wherever it stands: "[ball_2]" and "navigate(room_0_1)" read as "[ ball_2]" and
-    # "( room_0_1)", so the id carries the leading space it has in lists and calls (" ball_2"); otherwise each id
+    # an id is the same token wherever it stands: "[red_ball]" and "navigate(room_0_1)" read as "[ red_ball]" and
+    # "( room_0_1)", so the id carries the leading space it has in lists and calls (" red_ball"); otherwise each id
     # is two unrelated tokens and copying one from an observation into a call must first learn the pairing
     tok.normalizer = normalizers.Sequence([normalizers.Replace("[", "[ "), normalizers.Replace("(", "( ")])
     # ids stay whole words (`kitchen_counter`, `door_hallway_kitchen`, `charger_1`): copying an id from the

@@ -101,6 +101,9 @@ def test_the_belief_speaks_the_sandbox_prompt_format(detector):
     # only what the field of view showed: objects outside it are not in the belief yet
     truth = sum(1 for c in env.unwrapped.grid.grid if c is not None and c.type in ("key", "ball", "box"))
     assert 0 < len(k["objects"]) < truth
+    # ids as the sandbox's rooms scene names them: colour and type (`red_ball`), numbered only for a look-alike
+    for oid, name, _ in k["objects"]:
+        assert oid == name.replace(" ", "_") or oid.startswith(name.replace(" ", "_") + "_"), (oid, name)
     msgs = build_step_messages(task_text(env.unwrapped.mission), k, StepMemory(), b.describe(), 0, 30)
     user = msgs[1]["content"]
     for line in ("At: room_", "Places: room_0_0 north-west room", "Doors: ", "Unvisited: ", "Objects: ",

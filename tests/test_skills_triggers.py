@@ -718,3 +718,23 @@ def test_visited_places_and_the_nearest_unvisited_first(ctrl):
     cost = dict((p, d) for d, p in w.unvisited())
     assert cost["storage"] >= 100 and all(d < 100 for p, d in cost.items() if p != "storage")
     assert known_map(w)["unvisited"] == [p for _, p in w.unvisited()]
+
+
+def test_rooms_objects_are_named_by_colour_and_type(built_tasks):
+    """The BabyAI vocabulary's ids say what the object is (`yellow_key`), numbered only for a look-alike, so a
+    call names its object in the instruction's words; other scenes keep their numbered ids."""
+    import re
+
+    from sandbox.skills import described_id
+    assert described_id("yellow", "key", set()) == "yellow_key"
+    assert described_id("yellow", "key", {"yellow_key", "yellow_key_2"}) == "yellow_key_3"
+    assert described_id(None, "ball", {"ball"}) == "ball_2"
+    rooms = [t for t in built_tasks if t.scene == "rooms"]
+    assert rooms
+    for t in rooms:
+        ids = [o.id for o in t.env_state.objects]
+        assert len(ids) == len(set(ids))
+        for o in t.env_state.objects:
+            assert re.fullmatch(re.escape(o.name.replace(" ", "_")) + r"(_\d+)?", o.id), (t.id, o.id, o.name)
+    other = [o.id for t in built_tasks if t.scene == "home" for o in t.env_state.objects]
+    assert any(re.search(r"_\d+$", i) for i in other)
