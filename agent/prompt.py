@@ -60,6 +60,39 @@ def abridged(observation: str) -> str:
     return _EXITS.sub("", observation, count=1)
 
 
+def _object(oid: str, name: str, loc: str, known: dict, here: bool = False) -> str:
+    """One known object: the name first and the id right after it, as in observations ("white phone charger
+    [charger_1]"), so the id to copy into a call follows the words the instruction matches; a descriptive id
+    (`yellow_key`, the BabyAI vocabulary) stands alone, like a place named by its id. An object on or in a
+    landmark also names the landmark's place: where to go is one look-up, not two. With `here`, an object in
+    the agent's own place says so."""
+    text = oid if name.replace(" ", "_") == oid else f"{name} {oid}"
+    if loc == "held":
+        return text + " held"
+    place = {lm: pid for pid, lms in known.get("landmarks", {}).items() for lm in lms}.get(loc)
+    text += f" at {place} {loc}" if place else f" at {loc}"
+    return text + (" (here)" if here and (place or loc) == known["place"] else "")
+
+
+def _words(text: str) -> str:
+    return " " + re.sub(r"[^a-z0-9]+", " ", text.lower()) + " "
+
+
+def task_objects(instruction: str, known: dict) -> str:
+    """The known objects the instruction names (by their name, or their id read as words: `yellow_key` is
+    "yellow key"), in the order it names them, each with where it is: the part of the agent's memory that the
+    task is about, looked up for it. An object not yet seen is simply not there."""
+    said = _words(instruction)
+    hits = []
+    for oid, name, loc in known["objects"]:
+        for words in (_words(name), _words(re.sub(r"(_[0-9]+)+$", "", oid))):
+            if words.strip() and words in said:
+                hits.append((said.index(words), oid, name, loc))
+                break
+    hits.sort(key=lambda h: h[0])
+    return "; ".join(_object(oid, name, loc, known, here=True) for _, oid, name, loc in hits) or "none seen"
+
+
 def render_known(known: dict) -> str:
     """The known map, compactly: places with their landmarks, doors (ids and states), objects (with the place of
     the landmark they are on or in), people."""
@@ -74,17 +107,9 @@ def render_known(known: dict) -> str:
         # nearest first (over the known map): where to look next for something not yet seen is the first one
         lines.append("Unvisited: " + ", ".join(known["unvisited"]))
     if known["objects"]:
-        # an object on or in a landmark also names the landmark's place: where to go is one look-up, not two
-        where = {lm: pid for pid, lms in marks.items() for lm in lms}
         # ids stand as words (" at kitchen", not "@kitchen"), so a BPE tokenizer splits an id the same way here as
         # in a call ("navigate kitchen")
-        # the name comes first and the id right after it, as in observations ("white phone charger [charger_1]"):
-        # the id to copy into a call then follows the words that the instruction matches; a descriptive id
-        # (`yellow_key`, the BabyAI vocabulary) stands alone, like a place named by its id
-        lines.append("Objects: " + "; ".join(
-            (oid if name.replace(" ", "_") == oid else f"{name} {oid}") + " " +
-            ("held" if loc == "held" else f"at {where[loc]} {loc}" if loc in where else f"at {loc}")
-            for oid, name, loc in known["objects"]))
+        lines.append("Objects: " + "; ".join(_object(oid, name, loc, known) for oid, name, loc in known["objects"]))
     if known["people"]:
         lines.append("People: " + "; ".join(f"{pid} {name}, {role} at {loc}" for pid, name, role, loc
                                              in known["people"]))
@@ -100,7 +125,10 @@ def build_step_messages(instruction: str, known: dict, memory: StepMemory, obser
     if memory.steps:
         parts.append("Recent:\n" + "\n".join(f"- {c} -> {r}" for c, r in memory.steps))
     parts.append(f"Observation: {abridged(observation)}")
-    # the task closes the prompt, right before the decision: what to do next is read against it
+    # the task closes the prompt, right before the decision: what to do next is read against it, and so is what
+    # the agent already knows of the objects it names (a tiny student does not learn that look-up by itself:
+    # trained without this line, its choice of skill ignored which object the task names)
+    parts.append(f"Task objects: {task_objects(instruction, known)}")
     parts.append(f"Task: {instruction}")
     parts.append("Next skill call?")
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "\n".join(parts)}]

@@ -18,6 +18,7 @@ The tiny student's chat template:
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Iterable, Literal
 
@@ -45,6 +46,7 @@ class StudentConfig(BaseModel):
     num_kv_heads: int = Field(default=2, ge=1, le=128)
     max_positions: int = Field(default=1024, ge=64, le=131_072)
     reasoning: bool = False                  # tiny template: render the assistant's thought before the call
+    name_tokens: bool = True                 # tiny tokenizer: "the yellow key" reads as `yellow_key` (below)
     lora_r: int = Field(default=16, ge=0, le=512)  # pretrained: LoRA rank (0 = full fine-tuning)
     lora_alpha: int = Field(default=32, ge=1)
     lora_targets: list[str] | str = "all-linear"
@@ -95,20 +97,61 @@ def corpus_texts(rows: Iterable[dict]) -> Iterable[str]:
                 yield render_compact(fn["name"], args)
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, reasoning: bool = False):
-    """A byte-level BPE tokenizer trained on `texts`, with the chat special tokens and the tiny template."""
+# An id made of words (`yellow_key`, `kitchen_counter`, a look-alike `yellow_key_2`) is split at its words
+# (" yellow" "_key"): its first word is the very token of the instruction's "the yellow key", so a call copies the
+# colour from the instruction or the prompt and adds the type, and an id never targeted in training (the
+# compositional split) is made of tokens that were. Whole, `yellow_key` is one token per colour and type: copying
+# it confused look-alikes (`grey_box` for `grey_key`), and one never targeted is a token never output. Ids with
+# numbers (`room_0_1`, `charger_1`, `blue_door_room_0_2_room_1_2`) stay whole: one token to copy, short prompts.
+_WORD, _END = r"[A-Za-z]+", r"(?:_[0-9]+)*(?![A-Za-z0-9_])"
+ID_WORDS = (rf" ?{_WORD}(?=(?:_{_WORD})+{_END})"     # the first word of an id made of words
+            rf"|_{_WORD}(?:_[0-9]+)*(?=(?:_{_WORD})*{_END})"  # each later word (with a look-alike's number)
+            r"| ?[A-Za-z0-9_]+| ?[^\sA-Za-z0-9_]+|\s+")  # other ids and words, punctuation, spaces
+
+
+_BRACKETED_ID = re.compile(r"\[([a-z][a-z0-9]*(?:_[a-z0-9]+)+)\]")
+
+
+def object_names(texts: Iterable[str]) -> dict[str, str]:
+    """Prose name -> id for the bracketed ids made of words whose name the corpus also writes as prose:
+    observations say "yellow key [yellow_key]", so "yellow key" -> "yellow_key". A look-alike's numbered id
+    (`yellow_key_2`) gives the unnumbered one; an id with numbers inside (`room_0_1`, door ids) gives none."""
+    texts = list(texts)
+    names = {}
+    for oid in {i for text in texts for i in _BRACKETED_ID.findall(text)}:
+        base = re.sub(r"(_[0-9]+)+$", "", oid)
+        words = base.split("_")
+        if len(words) > 1 and all(w.isalpha() for w in words):
+            names[" ".join(words)] = base
+    blob = "\n".join(texts)
+    return {name: base for name, base in sorted(names.items()) if re.search(rf"\b{name}\b", blob)}
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, reasoning: bool = False, name_tokens: bool = True):
+    """A byte-level BPE tokenizer trained on `texts`, with the chat special tokens and the tiny template.
+
+    With `name_tokens` the normalizer also reads an object's prose name as its id ("go to the yellow key" as "go
+    to the yellow_key", i.e. " yellow" "_key"), so the instruction, the lists and the call carry the object as the
+    same tokens, and the type to write after a colour is the one that follows it in the instruction itself (with
+    prose "key" and id "_key" as different tokens the student wrote the colour right and the type of another
+    object of that colour). Only what the model reads changes: its calls hold ids and decode as written.
+    """
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    texts = list(texts)
     tok = Tokenizer(models.BPE(unk_token=None))
     # an id is the same token wherever it stands: "[red_ball]" and "navigate(room_0_1)" read as "[ red_ball]" and
     # "( room_0_1)", so the id carries the leading space it has in lists and calls (" red_ball"); otherwise each id
-    # is two unrelated tokens and copying one from an observation into a call must first learn the pairing
-    tok.normalizer = normalizers.Sequence([normalizers.Replace("[", "[ "), normalizers.Replace("(", "( ")])
-    # ids stay whole words (`kitchen_counter`, `door_hallway_kitchen`, `charger_1`): copying an id from the
-    # prompt into a call is then one token to copy, and prompts are shorter than with GPT-2's split at "_"
+    # is two unrelated tokens and copying one from an observation into a call must first learn the pairing; the
+    # same for a compact call's later arguments ("place purple_box| red_key": the parser strips the space)
+    rules = [normalizers.Replace("[", "[ "), normalizers.Replace("(", "( "), normalizers.Replace("|", "| ")]
+    if name_tokens:  # longest names first, so that a longer name is not cut by a shorter one inside it
+        rules += [normalizers.Replace(Regex(rf"\b{re.escape(name)}\b"), oid)
+                  for name, oid in sorted(object_names(texts).items(), key=lambda kv: -len(kv[0]))]
+    tok.normalizer = normalizers.Sequence(rules)
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r" ?[A-Za-z0-9_]+| ?[^\sA-Za-z0-9_]+|\s+"), behavior="isolated"),
+        pre_tokenizers.Split(Regex(ID_WORDS), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, min_frequency=2,

@@ -133,7 +133,8 @@ def load_sft_dataset(dataset_dir: str | Path, config: str):
 def make_student(cfg: StudentConfig, train_rows, seed: int):
     """(model, tokenizer, peft_config) for the recipe's student."""
     if cfg.kind == "tiny":
-        tok = train_tokenizer(corpus_texts(train_rows), cfg.vocab_size, reasoning=cfg.reasoning)
+        tok = train_tokenizer(corpus_texts(train_rows), cfg.vocab_size, reasoning=cfg.reasoning,
+                              name_tokens=cfg.name_tokens)
         return build_tiny_student(cfg, tok, seed), tok, None
     model, tok = load_pretrained_student(cfg)
     return model, tok, lora_config(cfg)

@@ -342,6 +342,26 @@ def test_prompt_shows_where_objects_are_and_only_doors(tiny_build):
                          ("open(d_1)", "trigger_fired: The door d_1 to the hall is locked.")]
 
 
+def test_task_objects_line_looks_up_what_the_instruction_names():
+    from agent.prompt import task_objects
+    known = {"place": "room_0_0", "landmarks": {"kitchen": ["kitchen_counter"]},
+             "objects": [("blue_key", "blue key", "room_0_0"), ("blue_key_2", "blue key", "room_1_1"),
+                         ("red_box", "red box", "held"), ("red_ball", "red ball", "room_0_0"),
+                         ("charger_1", "white phone charger", "kitchen_counter")]}
+    # in the order the instruction names them, look-alikes too; "(here)" where the agent is; a held one is held
+    assert task_objects("Put the red box next to the blue key.", known) == \
+        "red_box held; blue_key at room_0_0 (here); blue key blue_key_2 at room_1_1"
+    # a numbered id is found by its name or by its id read as words; on a landmark, the landmark's place
+    for said in ("Bring me the white phone charger", "Bring me the charger"):
+        assert task_objects(said, known) == "white phone charger charger_1 at kitchen kitchen_counter"
+    assert task_objects("Go to the green ball.", known) == "none seen"  # not yet seen: not there
+    assert task_objects("Go to the red balloon.", known) == "none seen"  # words, not substrings
+    msgs = build_step_messages("Pick up the red ball.", {**known, "holding": ["red_box"], "places": [
+        ("room_0_0", "north-west room")], "connections": [], "people": [], "facts": []}, StepMemory(), "Hi.", 0, 9)
+    assert msgs[1]["content"].endswith(
+        "Task objects: red_ball at room_0_0 (here)\nTask: Pick up the red ball.\nNext skill call?")
+
+
 def test_compositional_split_targets_new_type_colour_combinations(medium_build):
     from sft.metrics import compositional_split, target_combos
     train, test = medium_build[0]["train"], medium_build[0]["test"]

@@ -57,7 +57,8 @@ def test_compact_rendering_round_trips_every_teacher_call(step_rows, tok):
 
 def test_an_id_is_one_and_the_same_token_in_lists_brackets_and_calls(step_rows, tok):
     """ " ball_2" in a list, "[ball_2]" in an observation, "navigate(room_0_1)" in the memory and the compact call
-    all carry an id as the same tokens (a frequent id is one token), so copying an id is copying those tokens."""
+    all carry an id as the same tokens (a frequent id with numbers is one token, an id made of words one token per
+    word), so copying an id is copying those tokens."""
     def contains(tokens: list[str], part: list[str]) -> bool:
         return any(tokens[i: i + len(part)] == part for i in range(len(tokens)))
 
@@ -70,6 +71,36 @@ def test_an_id_is_one_and_the_same_token_in_lists_brackets_and_calls(step_rows, 
         {"role": "assistant", "content": "", "tool_calls": [
             {"type": "function", "function": {"name": "pick_up", "arguments": {"object": oid}}}]}], tokenize=False)
     assert contains(tok.tokenize(call.rsplit("<|assistant|>", 1)[1]), part)
+
+
+def test_an_object_is_the_same_tokens_in_the_instruction_the_lists_and_the_calls(step_rows, tok):
+    """An id made of words is split at its words (` yellow` + `_key`), ids with numbers stay whole, and the
+    instruction's prose name reads as the id: "go to the yellow key" carries the very tokens of `yellow_key` in
+    lists and calls. A compact call's later argument is tokenized as the first one is."""
+    from sft.student import object_names
+
+    def at(tokens: list[str], part: list[str]) -> int:
+        return next(i for i in range(len(tokens)) if tokens[i: i + len(part)] == part)  # StopIteration: absent
+
+    names = object_names(corpus_texts(step_rows))
+    assert names and all(oid == name.replace(" ", "_") for name, oid in names.items())
+    name, oid = next(iter(names.items()))
+    part = tok.tokenize(" " + oid)
+    for text in (f"Go to the {name}.", f"Objects: {oid} at room_0_1", f"You see: {name} [{oid}_2].",
+                 f"<tool_call>place thing_1|{oid}</tool_call>", f"- navigate({oid}) -> ok"):
+        tokens = tok.tokenize(text)
+        i = at(tokens, part)
+        assert tokens[i - 1] != "_" and tok.convert_tokens_to_string(tokens[i:i + len(part)]) == " " + oid
+    assert tok.decode(tok(f"Go to the {name}.")["input_ids"]) == f"Go to the {oid}."  # what the model reads
+    pieces = [p for p, _ in tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str(
+        " yellow_key_2 kitchen_counter_top room_0_1 charger_1 blue_door_room_0_2_room_1_2")]
+    assert pieces == ["Ġyellow", "_key_2", "Ġkitchen", "_counter", "_top", "Ġroom_0_1", "Ġcharger_1",
+                      "Ġblue_door_room_0_2_room_1_2"]
+    for text in ("navigate yellow_key_2", "Objects: kitchen_counter at kitchen; charger_1 at room_0_1"):
+        assert tok.decode(tok(text)["input_ids"]) == text
+    assert tok.decode(tok("place purple_box|yellow_key")["input_ids"]) == "place purple_box| yellow_key"
+    assert object_names(["a red ball [red_ball_2], a lamp [lamp_1], door [door_room_0_1]"]) == {"red ball": "red_ball"}
+    assert object_names(["a ball [red_ball] only as an id"]) == {}  # its prose name is never written
 
 
 def test_trl_tokenizes_the_dataset_and_masks_exactly_the_assistant_tokens(sft_dataset, tok, tmp_path):
