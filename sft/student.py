@@ -124,7 +124,7 @@ def object_names(texts: Iterable[str]) -> dict[str, str]:
         if len(words) > 1 and all(w.isalpha() for w in words):
             names[" ".join(words)] = base
     blob = "\n".join(texts)
-    return {name: base for name, base in sorted(names.items()) if re.search(rf"\b{name}\b", blob)}
+    return {name: base for name, base in sorted(names.items()) if re.search(rf"\b{re.escape(name)}\b", blob)}
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, reasoning: bool = False, name_tokens: bool = True):
