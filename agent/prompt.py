@@ -82,10 +82,11 @@ def task_objects(instruction: str, known: dict) -> str:
     """The known objects the instruction names (by their name, or their id read as words: `yellow_key` is
     "yellow key"), in the order it names them, each with where it is: the part of the agent's memory that the
     task is about, looked up for it. An object not yet seen is simply not there."""
+    from sandbox.skills import id_words
     said = _words(instruction)
     hits = []
     for oid, name, loc in known["objects"]:
-        for words in (_words(name), _words(re.sub(r"(_[0-9]+)+$", "", oid))):
+        for words in (_words(name), _words(" ".join(id_words(oid)))):
             if words.strip() and words in said:
                 hits.append((said.index(words), oid, name, loc))
                 break

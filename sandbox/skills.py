@@ -6,6 +6,8 @@ function-calling JSON schema) that `agent.tools` renders for every model.
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -135,6 +137,12 @@ def check_call(call) -> tuple[str, dict[str, str]] | CallError:
             return CallError("bad_argument_value", f"{name}.{p.name} must be one of {', '.join(p.enum)}.")
         clean[p.name] = v
     return name, clean
+
+
+def id_words(oid: str) -> list[str]:
+    """The words of an id without a look-alike's number: `yellow_key_2` -> ["yellow", "key"] (an id read as the
+    words an instruction uses; the prompt's task-objects line and the tiny tokenizer both read ids this way)."""
+    return re.sub(r"(_[0-9]+)+$", "", oid).split("_")
 
 
 def described_id(color: str | None, kind: str, taken) -> str:

@@ -25,7 +25,7 @@ from typing import Iterable, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from agent.parser import render_compact
-from sandbox.skills import SKILLS
+from sandbox.skills import SKILLS, id_words
 
 SPECIAL = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<tool_call>",
            "</tool_call>", "<|unk|>"]
@@ -119,10 +119,9 @@ def object_names(texts: Iterable[str]) -> dict[str, str]:
     texts = list(texts)
     names = {}
     for oid in {i for text in texts for i in _BRACKETED_ID.findall(text)}:
-        base = re.sub(r"(_[0-9]+)+$", "", oid)
-        words = base.split("_")
+        words = id_words(oid)
         if len(words) > 1 and all(w.isalpha() for w in words):
-            names[" ".join(words)] = base
+            names[" ".join(words)] = "_".join(words)
     blob = "\n".join(texts)
     return {name: base for name, base in sorted(names.items()) if re.search(rf"\b{re.escape(name)}\b", blob)}
 
