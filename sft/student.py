@@ -12,7 +12,11 @@ The tiny student's chat template:
   learns a short action string far sooner than JSON boilerplate;
 - the system message is not rendered (it is the same in every sample and carries nothing the tiny student
   needs; it is dropped the same way at training and inference, so both see identical tokens);
-- the assistant's reasoning is rendered only when the template is built with `reasoning=True`.
+- the assistant's reasoning is rendered only when the template is built with `reasoning=True`;
+- user-message lines that start with one of `skip_lines` are not rendered (the recipe's `skip_lines`: a line the
+  tiny student never needs, such as the rooms scene's `Places:` list, whose ids and names the observations and
+  the other lines already give, costs compute at every training step and every rollout step); with
+  `short_memory`, the memory of a step that succeeded is its call and "ok" (see `_user_content`).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ class StudentConfig(BaseModel):
     max_positions: int = Field(default=1024, ge=64, le=131_072)
     reasoning: bool = False                  # tiny template: render the assistant's thought before the call
     name_tokens: bool = True                 # tiny tokenizer: "the yellow key" reads as `yellow_key` (below)
+    skip_lines: list[str] = []               # tiny template: user-message lines starting so are not rendered
+    short_memory: bool = False               # tiny template: a Recent line of a step that succeeded is "call -> ok"
     lora_r: int = Field(default=16, ge=0, le=512)  # pretrained: LoRA rank (0 = full fine-tuning)
     lora_alpha: int = Field(default=32, ge=1)
     lora_targets: list[str] | str = "all-linear"
@@ -69,11 +75,34 @@ def _compact_macro() -> str:
     return "".join(lines)
 
 
-def tiny_chat_template(reasoning: bool = False) -> str:
+def _user_content(skip_lines: list[str], short_memory: bool = False) -> str:
+    """Jinja for a user message's text, without the lines that start with one of `skip_lines`; with
+    `short_memory`, a `Recent:` line of a step that succeeded keeps the call and "ok" but not the first sentence
+    of what it observed (the builder's `- call -> ok: gist`): the newest observation is in full on its own line
+    and what steps found lives on in the known map and facts; a failed step keeps its error and gist."""
+    if not skip_lines and not short_memory:
+        return "{{ m.content }}"
+    for prefix in skip_lines:
+        if not prefix or "'" in prefix or "\\" in prefix or "\n" in prefix:
+            raise ValueError(f"skip_lines: {prefix!r} must be a non-empty line prefix without quotes, "
+                             "backslashes or newlines")
+    keep = ("not line.startswith(" + "(" + ", ".join(f"'{p}'" for p in skip_lines) + ",))") if skip_lines \
+        else "true"
+    text = ("{%- if line.startswith('- ') and ' -> ok: ' in line -%}{{ line.split(' -> ok: ')[0] ~ ' -> ok' }}"
+            "{%- else -%}{{ line }}{%- endif -%}") if short_memory else "{{ line }}"
+    return ("{%- set ns = namespace(first=true) -%}"
+            "{%- for line in m.content.split('\n') -%}"
+            "{%- if " + keep + " -%}"
+            "{%- if not ns.first %}{{ '\n' }}{% endif -%}" + text + "{%- set ns.first = false -%}"
+            "{%- endif -%}{%- endfor -%}")
+
+
+def tiny_chat_template(reasoning: bool = False, skip_lines: list[str] | None = None,
+                       short_memory: bool = False) -> str:
     think = "{%- if m.content %}{{ m.content }}\n{% endif -%}" if reasoning else ""
     return _compact_macro() + (
         "{%- for m in messages -%}"
-        "{%- if m.role == 'user' -%}<|user|>{{ m.content }}<|end|>"
+        "{%- if m.role == 'user' -%}<|user|>" + _user_content(skip_lines or [], short_memory) + "<|end|>"
         "{%- elif m.role == 'tool' -%}<|tool|>{{ m.content }}<|end|>"
         "{%- elif m.role == 'assistant' -%}<|assistant|>{% generation %}" + think +
         "{%- for tc in (m.tool_calls or []) -%}<tool_call>{{ compact(tc.function if tc.function is defined "
@@ -126,7 +155,8 @@ def object_names(texts: Iterable[str]) -> dict[str, str]:
     return {name: base for name, base in sorted(names.items()) if re.search(rf"\b{re.escape(name)}\b", blob)}
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, reasoning: bool = False, name_tokens: bool = True):
+def train_tokenizer(texts: Iterable[str], vocab_size: int, reasoning: bool = False, name_tokens: bool = True,
+                    skip_lines: list[str] | None = None, short_memory: bool = False):
     """A byte-level BPE tokenizer trained on `texts`, with the chat special tokens and the tiny template.
 
     With `name_tokens` the normalizer also reads an object's prose name as its id ("go to the yellow key" as "go
@@ -160,7 +190,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, reasoning: bool = Fal
                                    unk_token="<|unk|>", model_max_length=4096)
     fast.add_special_tokens({"additional_special_tokens": [t for t in SPECIAL if t not in
                                                            ("<|pad|>", "<|end|>", "<|unk|>")]})
-    fast.chat_template = tiny_chat_template(reasoning)
+    fast.chat_template = tiny_chat_template(reasoning, skip_lines, short_memory)
     return fast
 
 

@@ -130,6 +130,68 @@ def test_trl_tokenizes_the_dataset_and_masks_exactly_the_assistant_tokens(sft_da
         assert "<|tool|>" not in text and "<|user|>" not in text
 
 
+def test_skip_lines_leaves_those_lines_out_of_what_the_tiny_student_reads(step_rows):
+    """`skip_lines`: the template renders the user message without the lines that start so, the rest unchanged
+    and in order; the assistant turn and its mask are as before; a prefix that would break the template is
+    refused."""
+    rows = step_rows[:30]
+    plain = train_tokenizer(corpus_texts(rows), SMALL.vocab_size)
+    skipping = train_tokenizer(corpus_texts(rows), SMALL.vocab_size, skip_lines=["Places:", "Doors:"])
+    dropped = 0
+    for row in rows:
+        full = plain.apply_chat_template(row["messages"], tokenize=False)
+        short = skipping.apply_chat_template(row["messages"], tokenize=False)
+        user = row["messages"][1]["content"]
+        kept = "\n".join(line for line in user.split("\n") if not line.startswith(("Places:", "Doors:")))
+        dropped += user.count("\n") - kept.count("\n")
+        assert short == full.replace(user, kept) and "Places:" not in short
+        enc = skipping.apply_chat_template(row["messages"], return_dict=True, return_assistant_tokens_mask=True)
+        masked = [i for i, m in zip(enc["input_ids"], enc["assistant_masks"], strict=True) if m]
+        assert skipping.decode(masked).startswith("<tool_call>")
+    assert dropped >= len(rows)  # every step prompt has a Places line
+    for bad in ("", "it's", "a\nb"):
+        with pytest.raises(ValueError, match="skip_lines"):
+            train_tokenizer(corpus_texts(rows), SMALL.vocab_size, skip_lines=[bad])
+
+
+def test_short_memory_keeps_a_successful_steps_call_and_a_failed_steps_error(step_rows):
+    """`short_memory`: a memory line of a step that succeeded reads `- call -> ok`; a failed step's line, and
+    every other line, is as the prompt builder wrote it."""
+    from agent.prompt import StepMemory
+    memory = StepMemory()
+    memory.add({"name": "navigate", "arguments": {"target": "room_0_1"}}, None, "You are in the north room "
+               "[room_0_1]. You see: red ball [red_ball].")
+    memory.add({"name": "navigate", "arguments": {"target": "room_1_1"}}, "trigger_fired",
+               "The way from the north room to the centre room is blocked.")
+    row = next(r for r in step_rows if "Recent:" in r["messages"][1]["content"])
+    user = row["messages"][1]["content"]
+    head, tail = user.split("Recent:\n", 1)
+    tail = tail.split("\nObservation:", 1)[1]
+    recent = "\n".join(f"- {c} -> {r}" for c, r in memory.steps)
+    messages = [row["messages"][0], {"role": "user", "content": f"{head}Recent:\n{recent}\nObservation:{tail}"}]
+    tok = train_tokenizer(corpus_texts(step_rows[:30]), SMALL.vocab_size, short_memory=True)
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "- navigate(room_0_1) -> ok\n" in text and "You see: red ball" not in text.split("Observation:")[0]
+    assert "- navigate(room_1_1) -> trigger_fired: The way from the north room to the centre room is blocked" \
+        in text
+    assert text.replace("- navigate(room_0_1) -> ok\n", "") == \
+        tok.apply_chat_template([messages[0], {"role": "user", "content": messages[1]["content"].replace(
+            "- " + "navigate(room_0_1) -> " + memory.steps[0][1] + "\n", "")}], tokenize=False,
+            add_generation_prompt=True)
+
+
+def test_bf16_autocast_trains_on_cpu(sft_dataset, tmp_path):
+    """`bf16: true` trains in bf16 autocast on the CPU too (weights stay float32) and the loss falls."""
+    cfg = SFTSection(student=SMALL, max_steps=8, batch_size=8, lr=1e-2, eval_steps=8, save_steps=8,
+                     logging_steps=2, max_eval_samples=8, warmup_ratio=0.0, bf16=True)
+    m = run_sft(cfg, sft_dataset, tmp_path / "sft", seed=0, show_progress=False)
+    losses = [c["loss"] for c in m["curve"] if "loss" in c]
+    assert losses[-1] < losses[0]
+    from safetensors.torch import load_file
+    weights = load_file(tmp_path / "sft" / "final" / "model.safetensors")
+    assert {str(w.dtype) for w in weights.values()} == {"torch.float32"}
+
+
 def test_a_few_sft_steps_lower_the_loss_and_resume(sft_dataset, tmp_path):
     cfg = SFTSection(student=SMALL, max_steps=12, batch_size=8, lr=1e-2, eval_steps=6, save_steps=6,
                      logging_steps=2, max_eval_samples=16, warmup_ratio=0.0, scheduler="constant_with_warmup")
