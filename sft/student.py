@@ -26,7 +26,7 @@ import re
 from pathlib import Path
 from typing import Iterable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agent.parser import render_compact
 from sandbox.skills import SKILLS, id_words
@@ -57,6 +57,22 @@ class StudentConfig(BaseModel):
     lora_alpha: int = Field(default=32, ge=1)
     lora_targets: list[str] | str = "all-linear"
 
+    @model_validator(mode="after")
+    def _template_options_for_tiny_only(self):
+        # checked with the recipe, before any stage runs
+        if self.kind != "tiny" and (self.skip_lines or self.short_memory):
+            raise ValueError("skip_lines and short_memory shape the tiny student's own chat template (student.kind "
+                             "tiny); a pretrained student keeps its template")
+        _check_line_prefixes(self.skip_lines)
+        return self
+
+
+def _check_line_prefixes(skip_lines: list[str]) -> None:
+    for prefix in skip_lines:
+        if not prefix or "'" in prefix or "\\" in prefix or "\n" in prefix:
+            raise ValueError(f"skip_lines: {prefix!r} must be a non-empty line prefix without quotes, "
+                             "backslashes or newlines")
+
 
 def _compact_macro() -> str:
     """Jinja that renders one tool call compactly, the skill's parameters in order (from `sandbox.skills`)."""
@@ -82,10 +98,7 @@ def _user_content(skip_lines: list[str], short_memory: bool = False) -> str:
     and what steps found lives on in the known map and facts; a failed step keeps its error and gist."""
     if not skip_lines and not short_memory:
         return "{{ m.content }}"
-    for prefix in skip_lines:
-        if not prefix or "'" in prefix or "\\" in prefix or "\n" in prefix:
-            raise ValueError(f"skip_lines: {prefix!r} must be a non-empty line prefix without quotes, "
-                             "backslashes or newlines")
+    _check_line_prefixes(skip_lines)
     keep = ("not line.startswith(" + "(" + ", ".join(f"'{p}'" for p in skip_lines) + ",))") if skip_lines \
         else "true"
     text = ("{%- if line.startswith('- ') and ' -> ok: ' in line -%}{{ line.split(' -> ok: ')[0] ~ ' -> ok' }}"

@@ -152,6 +152,10 @@ def test_skip_lines_leaves_those_lines_out_of_what_the_tiny_student_reads(step_r
     for bad in ("", "it's", "a\nb"):
         with pytest.raises(ValueError, match="skip_lines"):
             train_tokenizer(corpus_texts(rows), SMALL.vocab_size, skip_lines=[bad])
+        with pytest.raises(ValueError, match="skip_lines"):  # a recipe says so before any stage runs
+            StudentConfig(skip_lines=[bad])
+    with pytest.raises(ValueError, match="tiny"):
+        StudentConfig(kind="pretrained", base="x", short_memory=True)
 
 
 def test_short_memory_keeps_a_successful_steps_call_and_a_failed_steps_error(step_rows):
