@@ -21,6 +21,11 @@ SYSTEM_PROMPT = (
 )
 
 
+# how a memory line of a step that succeeded joins its call and what it observed (`- navigate(kitchen) -> ok: You
+# are in the kitchen [kitchen]`); the tiny student's template (`sft.student`, short_memory) cuts such lines here
+MEMORY_OK = " -> ok: "
+
+
 @dataclass
 class StepMemory:
     """A short memory of recent steps: (call text, short result)."""

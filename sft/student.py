@@ -29,6 +29,7 @@ from typing import Iterable, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agent.parser import render_compact
+from agent.prompt import MEMORY_OK
 from sandbox.skills import SKILLS, id_words
 
 SPECIAL = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<tool_call>",
@@ -94,14 +95,16 @@ def _compact_macro() -> str:
 def _user_content(skip_lines: list[str], short_memory: bool = False) -> str:
     """Jinja for a user message's text, without the lines that start with one of `skip_lines`; with
     `short_memory`, a `Recent:` line of a step that succeeded keeps the call and "ok" but not the first sentence
-    of what it observed (the builder's `- call -> ok: gist`): the newest observation is in full on its own line
-    and what steps found lives on in the known map and facts; a failed step keeps its error and gist."""
+    of what it observed (the builder's `- call -> ok: gist`, `agent.prompt.MEMORY_OK`): the newest observation is
+    in full on its own line and what steps found lives on in the known map and facts; a failed step keeps its
+    error and gist."""
     if not skip_lines and not short_memory:
         return "{{ m.content }}"
     _check_line_prefixes(skip_lines)
     keep = ("not line.startswith(" + "(" + ", ".join(f"'{p}'" for p in skip_lines) + ",))") if skip_lines \
         else "true"
-    text = ("{%- if line.startswith('- ') and ' -> ok: ' in line -%}{{ line.split(' -> ok: ')[0] ~ ' -> ok' }}"
+    ok, cut = MEMORY_OK.rstrip(": "), f"'{MEMORY_OK}'"  # " -> ok", and the quoted separator
+    text = ("{%- if line.startswith('- ') and " + cut + " in line -%}{{ line.split(" + cut + ")[0] ~ '" + ok + "' }}"
             "{%- else -%}{{ line }}{%- endif -%}") if short_memory else "{{ line }}"
     return ("{%- set ns = namespace(first=true) -%}"
             "{%- for line in m.content.split('\n') -%}"
