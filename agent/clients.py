@@ -256,12 +256,15 @@ class TransformersClient:
 
     `model_or_path` is a local folder written by `save_pretrained` (nothing is fetched from the Hub) or a
     model object, which then needs its `tokenizer`. The model is moved to `device`. `json_mode` is accepted
-    for the protocol but not enforced (there is no constrained decoding here): callers validate the JSON.
+    for the protocol but not enforced: callers validate the JSON. With `constrained`, generation can only
+    write a well-formed compact skill call whose id arguments are words of its prompt
+    (`agent.constrained.CallConstraint`; a tiny student's tokenizer).
     The tokenizer is not modified: left padding and the pad-token fallback (eos) happen here.
     """
 
     def __init__(self, model_or_path: Any, tokenizer: Any = None, device: str = "cpu", dtype: Any = None,
-                 max_new_tokens: int = 128, temperature: float = 0.0, seed: int = 0, batch_size: int = 8):
+                 max_new_tokens: int = 128, temperature: float = 0.0, seed: int = 0, batch_size: int = 8,
+                 constrained: bool = False):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -304,6 +307,10 @@ class TransformersClient:
         self.eos_ids = sorted(eos_ids)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self._stop = set(self.eos_ids) | {self.pad_id}
+        self.constraint = None
+        if constrained:
+            from agent.constrained import CallConstraint
+            self.constraint = CallConstraint(tokenizer)
 
     def __repr__(self) -> str:
         return f"TransformersClient({self.name!r}, device={str(self.device)!r})"
@@ -340,10 +347,14 @@ class TransformersClient:
         torch = self._torch
         temperature = self.temperature if temperature is None else temperature
         seed = self.seed if seed is None else seed
-        encoded = [self.tokenizer(self.render_prompt(m, tools), add_special_tokens=False)["input_ids"]
-                   for m in batch]
+        texts = [self.render_prompt(m, tools) for m in batch]
+        encoded = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         ids, mask = left_pad(encoded, self.pad_id)
         width = ids.shape[1]
+        extra = {}
+        if self.constraint is not None:
+            from transformers import LogitsProcessorList
+            extra["logits_processor"] = LogitsProcessorList([self.constraint.processor(texts, width)])
         gen: dict[str, Any] = {"max_new_tokens": self.max_new_tokens if max_tokens is None else max_tokens,
                                "pad_token_id": self.pad_id, "eos_token_id": self.eos_ids}
         if temperature > 0:
@@ -357,7 +368,7 @@ class TransformersClient:
         with torch.inference_mode(), torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                      generation_config=config)
+                                      generation_config=config, **extra)
         replies = []
         for row, e in enumerate(encoded):
             text, n_new = self.decode_new(out[row, width:].tolist())

@@ -83,10 +83,43 @@ def _words(text: str) -> str:
     return " " + re.sub(r"[^a-z0-9]+", " ", text.lower()) + " "
 
 
+# the words that end an object phrase of an instruction ("the purple key next to ...", "the mug in the kitchen")
+_PHRASE_END = {"next", "to", "in", "into", "on", "onto", "and", "then", "is", "are", "of", "from", "with", "which",
+               "where", "whether", "it", "report", "near", "by", "for", "at"}
+
+
+def named_phrases(instruction: str) -> list[str]:
+    """The things an instruction names: the words after each "the", "a" or "an" up to the next word that ends a
+    phrase ("Put the purple key next to the yellow box." -> purple key, yellow box). A clause that asks a person
+    something names a question, not an object, and is skipped."""
+    out = []
+    for clause in re.split(r",|\band\b|\bthen\b", instruction.lower()):
+        words = re.findall(r"[a-z0-9']+", clause)
+        if not words or words[0] in ("ask", "report"):
+            continue
+        for i, w in enumerate(words):
+            if w in ("the", "a", "an"):
+                phrase = []
+                for x in words[i + 1:]:
+                    if x in _PHRASE_END or x in ("the", "a", "an"):
+                        break
+                    phrase.append(x)
+                if phrase:
+                    out.append(" ".join(phrase))
+    return out
+
+
+def _covers(known_words: str, phrase: str) -> bool:
+    """Whether a known thing's words (" red ball ") and a phrase ("ball", "big red ball") name the same thing."""
+    return bool(known_words.strip()) and (_words(phrase) in known_words or known_words in _words(phrase))
+
+
 def task_objects(instruction: str, known: dict) -> str:
     """The known objects the instruction names (by their name, or their id read as words: `yellow_key` is
     "yellow key"), in the order it names them, each with where it is: the part of the agent's memory that the
-    task is about, looked up for it. An object not yet seen is simply not there."""
+    task is about, looked up for it. A thing it names that matches nothing known (no object, place, landmark,
+    door or person) is listed as "not seen", in its place: "purple key not seen; yellow_box at room_1_0" says the
+    key is still to be found, and that the box is not the key."""
     from sandbox.skills import id_words
     said = _words(instruction)
     hits = []
@@ -95,8 +128,18 @@ def task_objects(instruction: str, known: dict) -> str:
             if words.strip() and words in said:
                 hits.append((said.index(words), oid, name, loc))
                 break
-    hits.sort(key=lambda h: h[0])
-    return "; ".join(_object(oid, name, loc, known, here=True) for _, oid, name, loc in hits) or "none seen"
+    entries = [(pos, _object(oid, name, loc, known, here=True)) for pos, oid, name, loc in hits]
+    names = [_words(n) for _, n, _ in known["objects"]] + [_words(" ".join(id_words(o))) for o, _, _ in
+                                                             known["objects"]]
+    names += [_words(x) for p in known.get("places", ()) for x in p[:2]]
+    names += [_words(x) for pid, lms in known.get("landmarks", {}).items() for x in [pid, *lms]]
+    names += [_words(c[0]) for c in known.get("connections", ())]
+    names += [_words(x) for p in known.get("people", ()) for x in p[:2]]
+    for phrase in named_phrases(instruction):
+        if not any(_covers(n, phrase) for n in names):
+            entries.append((said.find(_words(phrase)), f"{phrase} not seen"))
+    entries.sort(key=lambda e: e[0])
+    return "; ".join(text for _, text in entries) or "none seen"
 
 
 def render_known(known: dict) -> str:

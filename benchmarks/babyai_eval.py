@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--views", default="topdown,topdown-fov,egocentric")
     ap.add_argument("--out", default=None, help="folder for each run's metrics, report and strips")
     ap.add_argument("--no-bot", action="store_true", help="skip BabyAI's bot reference")
+    ap.add_argument("--constrained", action="store_true",
+                    help="the student's decoding writes only well-formed calls over ids its prompt shows")
     a = ap.parse_args()
     levels = a.levels.split(",")
     for lv in levels:
@@ -44,6 +46,7 @@ def main() -> None:
         ap.error(f"--student {a.student}: not a model folder (train one: embodistill sft recipes/tiny.yaml)")
     out = Path(a.out or tempfile.mkdtemp(prefix="babyai_eval_"))
     res: dict = {"episodes": a.episodes, "seed": a.seed, "student": a.student if "student" in policies else None,
+                 "constrained": a.constrained,
                  "results": {}}
     t0 = time.time()
     for view in a.views.split(","):
@@ -51,7 +54,7 @@ def main() -> None:
             for pol in policies:
                 path = a.student if pol == "student" else pol
                 m = evaluate_babyai(lv, path, a.episodes, out / view / lv / pol, seed=a.seed, view=view,
-                                    bot=not a.no_bot and pol == "expert")
+                                    bot=not a.no_bot and pol == "expert", constrained=a.constrained)
                 res["results"].setdefault(view, {}).setdefault(lv, {})[pol] = {k: m[k] for k in KEYS}
                 print(f"{view} {lv} {pol}: {m['success_rate']:.3f}", file=sys.stderr, flush=True)
     res["wall_s"] = round(time.time() - t0, 1)

@@ -133,6 +133,7 @@ class PolicySpec:
     tile_size: int = 8
     skill_budget: int = 30
     max_new_tokens: int = 96
+    constrained: bool = False             # a model's calls: well-formed, over ids its prompt shows
     vision_model: str | None = None       # perception by an OpenAI-compatible vision model instead of sprites
     vision_base_url: str | None = None
     vision_api_key_env: str = "OPENAI_API_KEY"
@@ -151,7 +152,8 @@ def build_agent(spec: PolicySpec):
         policy = PixelRandom()
     else:
         from agent.clients import TransformersClient
-        policy = PixelModel(TransformersClient(spec.policy, max_new_tokens=spec.max_new_tokens), name=spec.policy)
+        policy = PixelModel(TransformersClient(spec.policy, max_new_tokens=spec.max_new_tokens,
+                                               constrained=spec.constrained), name=spec.policy)
     perception = None
     if spec.vision_model:
         from agent.clients import OpenAIClient
@@ -245,9 +247,10 @@ def evaluate_babyai(level: str, policy: str, episodes: int, out: Path, seed: int
                     tile_size: int = 8, skill_budget: int = 30, deadlock_turns: int = 16, bot: bool = True,
                     strips: int = 3, progress: Callable[[int], None] | None = None,
                     vision_model: str | None = None, vision_base_url: str | None = None,
-                    vision_api_key_env: str = "OPENAI_API_KEY") -> dict:
+                    vision_api_key_env: str = "OPENAI_API_KEY", constrained: bool = False) -> dict:
     """Run `episodes` episodes (seeds seed .. seed+episodes-1) of one level; write metrics.json, episodes.jsonl,
-    report.md and frame strips under `out`; return the metrics."""
+    report.md and frame strips under `out`; return the metrics. `constrained`: a model folder's decoding writes
+    only well-formed calls over ids its prompt shows (`agent.constrained`)."""
     level_id(level)
     if view not in VIEWS:
         raise ValueError(f"unknown view {view!r}; choose one of {', '.join(VIEWS)}")
@@ -258,7 +261,7 @@ def evaluate_babyai(level: str, policy: str, episodes: int, out: Path, seed: int
     env = make_env(level, tile_size)
     spec = PolicySpec(policy=policy, view=view, tile_size=tile_size, skill_budget=skill_budget,
                       vision_model=vision_model, vision_base_url=vision_base_url,
-                      vision_api_key_env=vision_api_key_env)
+                      vision_api_key_env=vision_api_key_env, constrained=constrained)
     rows = []
     t0 = time.time()
     with PolicyProcess(spec) as proc:

@@ -4,9 +4,10 @@ over that belief (never over the environment).
 
 - `GridBelief` keeps the last-seen content of every cell, the agent's pose, the objects it has seen (ids as the
   sandbox's rooms scene names them, colour and type: `red_ball`, `red_ball_2` for a second look-alike), what it
-  holds and the rooms it has stood in. Rooms come from the walls: connected floor regions, named like the sandbox's rooms scene (`room_<row>_<col>`, "north-west room"
-  in a 3x3 grid); doors are named `<colour>_door_<room>_<room>`. `known()` is the sandbox's known-map dict, so
-  `agent.prompt.build_step_messages` renders it unchanged and a sandbox-trained student reads the same prompt.
+  holds and the rooms it has stood in. Rooms come from the walls: connected floor regions, named like the
+  sandbox's rooms scene (`room_<row>_<col>`, "north-west room" in a 3x3 grid); doors are named
+  `<colour>_door_<room>_<room>`. `known()` is the sandbox's known-map dict, so `agent.prompt.build_step_messages`
+  renders it unchanged and a sandbox-trained student reads the same prompt.
 - `SkillExecutor` runs one call at a time as a generator of primitive actions that re-plans on every frame
   (closed loop), and ends with an `Outcome` worded like the sandbox's observations and errors.
 """

@@ -112,12 +112,13 @@ def run_model_batched(tasks: list[TaskInstance], client, seeds: list[int], batch
 
 def evaluate(tasks: list[TaskInstance], policy: str, seed: int = 0,
              progress: Callable[[int], None] | None = None, human_factory=None,
-             batch_size: int = 16) -> tuple[dict, list[Trajectory]]:
-    """`policy`: expert | random | a local model folder (run in lockstep batches)."""
+             batch_size: int = 16, constrained: bool = False) -> tuple[dict, list[Trajectory]]:
+    """`policy`: expert | random | a local model folder (run in lockstep batches; with `constrained`, its
+    decoding can only write well-formed calls over ids its prompt shows: `agent.constrained`)."""
     from pathlib import Path
     if policy not in POLICIES and Path(policy).is_dir():
         from agent.clients import TransformersClient
-        client = TransformersClient(policy, max_new_tokens=96)
+        client = TransformersClient(policy, max_new_tokens=96, constrained=constrained)
         seeds = [seed * 100_003 + i for i in range(len(tasks))]
         trajs = run_model_batched(tasks, client, seeds, batch_size=batch_size, name=Path(policy).name,
                                   progress=progress, human_factory=human_factory)

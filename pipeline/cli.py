@@ -82,7 +82,8 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
         r = _pixel_recipe(recipe, episodes)
         bar = tqdm(total=episodes, desc=f"{policy} on {level}", unit="ep", disable=quiet)
         m = evaluate_babyai(level, policy, episodes, out, seed=r.eval.seed, view=view, progress=bar.update,
-                            vision_model=vision_model, vision_base_url=vision_base_url)
+                            vision_model=vision_model, vision_base_url=vision_base_url,
+                            constrained=r.eval.constrained and policy not in ("expert", "random"))
         bar.close()
         typer.echo(json.dumps({k: m[k] for k in ("level", "policy", "episodes", "success_rate", "success_wilson95",
                                                  "mean_steps", "step_ratio_to_bot", "invalid_action_rate",

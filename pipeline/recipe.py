@@ -77,6 +77,9 @@ class SandboxSection(_Strict):
 
 class EvalSection(_Strict):
     seed: int = 0
+    # a model folder's decoding can only write well-formed compact calls over ids its prompt shows
+    # (`agent.constrained`; a tiny student's tokenizer): `embodistill eval` and the learning benchmark
+    constrained: bool = False
 
 
 class JudgeSection(_Strict):

@@ -109,9 +109,11 @@ def run_eval(recipe: Recipe, policy: str, split: str, out: Path, tasks_dir: Path
         tasks = build_tasks(recipe, show_progress)[0][split]
     bar = tqdm(total=len(tasks), desc=f"eval {policy} on {split}", unit="ep", disable=not show_progress)
     metrics, trajs = evaluate(tasks, policy, seed=recipe.eval.seed, progress=bar.update,
-                              human_factory=human_factory(recipe))
+                              human_factory=human_factory(recipe), constrained=recipe.eval.constrained)
     bar.close()
     metrics["policy"], metrics["split"] = policy, split
+    if policy not in ("expert", "random"):
+        metrics["constrained_decoding"] = recipe.eval.constrained
     write_jsonl(out / "trajectories.jsonl", trajs)
     write_json(out / "metrics.json", metrics)
     write_json(out / "manifest.json", {"stage": "eval", "recipe": recipe.name, "recipe_hash": recipe_hash(recipe),

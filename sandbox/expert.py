@@ -242,7 +242,7 @@ class ExpertPlanner:
             if p is None:
                 return self.find(g.object)
             if p != k.here:
-                return self.move_to(p, f"the {self._n(oid)} is in the {self._n(p)}")
+                return self.move_to(p, f"the {self._n(oid)} is in the {self._n(p)}", obj=oid)
             return (f"The {self._n(oid)} is here; I'll walk up to it.", _call("navigate", target=oid))
         if g.op in ("find_report", "inspect_report"):
             if i in self.m.reported:
@@ -420,7 +420,9 @@ class ExpertPlanner:
         self.m.gave_up = True
         return self.act()
 
-    def move_to(self, place: str, why: str):
+    def move_to(self, place: str, why: str, obj: str | None = None):
+        """Go to a place; with `obj`, an object believed to lie in plain sight there, walk straight up to it (one
+        call whose argument is the object the task names, instead of the place it is in)."""
         k = self.k
         if place == k.here:
             return None
@@ -428,6 +430,8 @@ class ExpertPlanner:
             self.m.gave_up = True
             return self.act()
         if k.route(place) is not None:
+            if obj is not None and self.ctrl.w.known_obj.get(obj) == place:
+                return (f"{_cap(why)}, so I'll walk up to the {self._n(obj)}.", _call("navigate", target=obj))
             return (f"{_cap(why)}, so I'll go to the {self._n(place)}.", _call("navigate", target=place))
         # commit to one obstacle until it is gone, so the planner does not wander between helpers
         ob = self.m.commit.get(place)
@@ -562,7 +566,7 @@ class ExpertPlanner:
             return self.find(ObjectRef(type=c.obj[oid].type, color=c.obj[oid].color, owner=c.obj[oid].owner
                                        if self.priv else None))
         if p != k.here:
-            return self.move_to(p, why)
+            return self.move_to(p, why, obj=oid)
         if not w.visible(oid) if self.priv else not self._believed_visible(oid):
             return self.reveal_here(oid)
         # disambiguation: look at name tags once an ambiguity is known
@@ -652,7 +656,7 @@ class ExpertPlanner:
             self.m.gave_up = True
             return self.act()
         if dest_place != k.here:
-            return self.move_to(dest_place, f"I'm carrying the {self._n(oid)} to the {self._n(dest_place)}")
+            return self.move_to(dest_place, f"I'm carrying the {self._n(oid)} to the {self._n(dest_place)}", obj=other)
         if other is not None:
             return (f"I'm next to the {self._n(other)}; I'll put the {self._n(oid)} beside it.",
                     _call("place", object=oid, target=other))

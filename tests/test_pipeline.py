@@ -354,8 +354,16 @@ def test_task_objects_line_looks_up_what_the_instruction_names():
     # a numbered id is found by its name or by its id read as words; on a landmark, the landmark's place
     for said in ("Bring me the white phone charger", "Bring me the charger"):
         assert task_objects(said, known) == "white phone charger charger_1 at kitchen kitchen_counter"
-    assert task_objects("Go to the green ball.", known) == "none seen"  # not yet seen: not there
-    assert task_objects("Go to the red balloon.", known) == "none seen"  # words, not substrings
+    # a thing named but matching nothing known is "not seen", in the order the instruction names it; a place,
+    # door or person it names is known, not an object to find; a question put to a person names no object
+    assert task_objects("Go to the green ball.", known) == "green ball not seen"
+    assert task_objects("Go to the red balloon.", known) == "red balloon not seen"  # words, not substrings
+    assert task_objects("Put the purple key next to the red ball, then go to the kitchen.", known) == \
+        "purple key not seen; red_ball at room_0_0 (here)"
+    assert task_objects("Ask Ann the wifi password and report the answer.", known) == "none seen"
+    assert task_objects("Open the red door.", {**known, "connections": [("red_door_a_b", "a", "b", "locked")]}) \
+        == "none seen"
+    assert task_objects("Go to a ball.", known) == "none seen"  # any ball: the red ball is one
     msgs = build_step_messages("Pick up the red ball.", {**known, "holding": ["red_box"], "places": [
         ("room_0_0", "north-west room")], "connections": [], "people": [], "facts": []}, StepMemory(), "Hi.", 0, 9)
     assert msgs[1]["content"].endswith(

@@ -362,3 +362,72 @@ def test_sft_cli_runs_the_distillation_first_when_its_dataset_is_missing(tmp_pat
                           str(tmp_path / "nowhere"), "--quiet"], capture_output=True, text=True, cwd=tmp_path,
                          env=env)
     assert bad.returncode == 2 and "run `embodistill distill` first" in bad.stderr
+
+
+def test_constrained_decoding_admits_every_teacher_call_and_only_ids_the_prompt_shows(step_rows, tok):
+    """Replaying the tiny template's rendering of each teacher call token by token through `CallConstraint`:
+    every token is allowed and the call ends where the end token is allowed; a call naming an id that is not a
+    word of the prompt, a skill that does not exist or a missing required argument is cut at the first token
+    that goes wrong."""
+    from agent.constrained import CallConstraint, _State
+    cc = CallConstraint(tok)
+
+    def replay(prompt_text: str, body: str) -> bool:
+        ids = cc.ids_trie(prompt_text)
+        st = _State(0)
+        for t in tok(f"<tool_call>{body}</tool_call>", add_special_tokens=False)["input_ids"]:
+            if t not in cc.allowed(st, ids):
+                return False
+            st = cc.step(st, t, ids)
+        return set(cc.allowed(st, ids)) == cc.end_ids
+
+    checked = 0
+    for r in step_rows[:300]:
+        prompt = tok.apply_chat_template(r["messages"][:2], add_generation_prompt=True, tokenize=False)
+        gold = _gold(r)
+        assert replay(prompt, render_compact(gold["name"], gold["arguments"])), (gold, prompt[-300:])
+        checked += 1
+    assert checked == 300
+    prompt = "Objects: red_box at room_0_1; yellow_ball at room_1_1. Task: Put the red box next to the yellow box."
+    assert replay(prompt, "place red_box|yellow_ball") and replay(prompt, "navigate room_1_1")
+    assert not replay(prompt, "place red_box|yellow_box")     # yellow_box: words of the prompt, not an id in it
+    assert not replay(prompt, "fly room_1_1")                 # no such skill
+    assert not replay(prompt, "place red_box")                # place needs its target
+    assert replay(prompt, "finish") and replay(prompt, "finish the box is placed")   # summary: optional text
+    # a student trained to think first may write text before the call, only then
+    ids, words = cc.ids_trie(prompt), tok(" I will go", add_special_tokens=False)["input_ids"]
+    assert words[0] not in cc.allowed(_State(0), ids)
+    assert words[0] in CallConstraint(tok, think=True).allowed(_State(0), ids)
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    word_level = Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
+    plain = PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="<unk>", eos_token="a")
+    with pytest.raises(ValueError, match="single tokens"):
+        CallConstraint(plain)
+
+
+def test_constrained_generation_writes_valid_calls_even_untrained(tok, tmp_path):
+    """An untrained student writes noise; constrained, each of its replies parses to a real skill whose id
+    arguments are words of its prompt (real `generate`, batched, greedy and sampled)."""
+    import re
+
+    from agent.clients import TransformersClient
+    from sandbox.skills import SKILLS
+    model = build_tiny_student(SMALL, tok)
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    prompts = [[{"role": "system", "content": "You are an embodied assistant."},
+                {"role": "user", "content": f"At: room_{i}_1. Objects: red_box at room_0_{i}. Task: Go to the box."}]
+               for i in range(3)]
+    free = TransformersClient(tmp_path / "m", max_new_tokens=12, batch_size=3)
+    assert not all(isinstance(parse_text(r.text), ToolCall) for r in free.chat_many(prompts))
+    for temperature in (0.0, 1.0):
+        client = TransformersClient(tmp_path / "m", max_new_tokens=40, batch_size=3, constrained=True,
+                                    temperature=temperature)
+        for msgs, reply in zip(prompts, client.chat_many(prompts), strict=True):
+            call = parse_text(reply.text)
+            assert isinstance(call, ToolCall) and call.name in SKILLS, reply.text
+            words = set(re.findall(r"[A-Za-z0-9][A-Za-z0-9_'\-]*", client.render_prompt(msgs)))
+            for p in SKILLS[call.name].params:
+                if p.description.startswith("id") and not p.enum and call.arguments.get(p.name):
+                    assert call.arguments[p.name] in words, (reply.text, p.name)

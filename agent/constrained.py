@@ -1,0 +1,215 @@
+"""Constrained decoding of compact skill calls: a model can only write a well-formed call whose id arguments are
+words its own prompt shows.
+
+A tiny student renders a call compactly (`<tool_call>place yellow_ball|yellow_box</tool_call>`, see
+`agent.parser.parse_compact`). Unconstrained, a small model sometimes writes an id that is not in its prompt
+(`yellow_ball` for the yellow box it was shown) or degenerates (`navigate blue blue blue ...`), and the sandbox
+answers `unknown_entity` or `parse_error`. `CallConstraint` masks, at every generated token, the tokens that
+cannot continue a valid call:
+
+- first `<tool_call>` (with `think`, any text before it: a student trained with reasoning writes it first);
+- the skill name: one of `sandbox.skills.SKILLS`;
+- each argument, in the skill's parameter order, after optional spaces: for an enum parameter one of its
+  values; for an id parameter (its description starts with "id") a word of the row's prompt (what the agent
+  has seen: `[A-Za-z0-9][A-Za-z0-9_'-]*`); any other parameter (and a `talk_to` topic, which may be a fact's
+  id) free text without `|` or `<`;
+- `|` between arguments, `</tool_call>` after a complete argument (or the name), then only the end token.
+
+It reads nothing but the prompt the model is given (no env state) and executes nothing; it works on the text of
+the tokens, so any tokenizer whose vocabulary has `<tool_call>` and `</tool_call>` as single tokens qualifies.
+The check walks each candidate token's characters from the row's state, so its cost grows with the vocabulary:
+meant for the tiny student (hundreds of tokens); `max_vocab` refuses a large one instead of crawling.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9_'\-]*")
+
+# states: (phase, skill, param index, trie node or text length)
+_PRE, _NAME, _AFTER_NAME, _ARG, _CLOSED = range(5)
+_END = "\0"   # marks a complete word in a trie
+# id parameters whose value need not be on the prompt: a talk_to topic may be a fact the teacher names by its id
+_FREE_IDS = {("talk_to", "topic")}
+
+
+def _trie(words) -> dict:
+    root: dict = {}
+    for w in words:
+        node = root
+        for ch in w:
+            node = node.setdefault(ch, {})
+        node[_END] = {}
+    return root
+
+
+@dataclass(frozen=True)
+class _State:
+    phase: int
+    skill: str = ""
+    param: int = 0
+    node: object = None      # trie node (name, id or enum argument) or None
+    started: bool = False    # the argument has a character that is not a leading space
+
+
+class CallConstraint:
+    """Per-tokenizer tables; `processor(prompt_texts, width)` gives the logits processor for one batch."""
+
+    def __init__(self, tokenizer, think: bool = False, max_vocab: int = 20_000):
+        from sandbox.skills import SKILLS
+        n = len(tokenizer)
+        if n > max_vocab:
+            raise ValueError(f"constrained decoding checks every token's text per step; this vocabulary has {n} "
+                             f"tokens (max_vocab {max_vocab}): it is meant for a tiny student")
+        ids = tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+        unk = tokenizer.unk_token_id
+        if any(i is None or i == unk for i in ids):
+            raise ValueError("constrained decoding needs <tool_call> and </tool_call> as single tokens "
+                             "(the tiny student's tokenizer has them)")
+        self.open_id, self.close_id = ids
+        self.think = think
+        self.end_ids = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|end|>"))
+                        if i is not None and i != unk}
+        if not self.end_ids:
+            raise ValueError("constrained decoding needs an end token (eos)")
+        special = set(tokenizer.all_special_ids)
+        # the text of each ordinary token (decoded alone: a word-start token keeps its leading space)
+        self.text = {}
+        for t in range(n):
+            if t in special:
+                continue
+            s = tokenizer.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            if s:
+                self.text[t] = s
+        self.by_first: dict[str, list[int]] = {}
+        for t, s in self.text.items():
+            self.by_first.setdefault(s[0], []).append(t)
+        self.skills = SKILLS
+        self.name_trie = _trie(SKILLS)
+        self.enum_tries = {(name, i): _trie(p.enum) for name, sk in SKILLS.items()
+                           for i, p in enumerate(sk.params) if p.enum}
+        self.id_params = {(name, i) for name, sk in SKILLS.items() for i, p in enumerate(sk.params)
+                          if not p.enum and p.description.startswith("id") and (name, p.name) not in _FREE_IDS}
+
+    # ------------------------------------------------------------------ the character machine
+
+    def _arg_start(self, skill: str, i: int, ids_trie: dict) -> _State:
+        if (skill, i) in self.enum_tries:
+            return _State(_ARG, skill, i, self.enum_tries[(skill, i)])
+        if (skill, i) in self.id_params:
+            return _State(_ARG, skill, i, ids_trie)
+        return _State(_ARG, skill, i, None)
+
+    def _char(self, st: _State, ch: str, ids_trie: dict) -> _State | None:
+        if st.phase == _NAME:
+            nxt = st.node.get(ch)
+            if nxt is not None:
+                return _State(_NAME, node=nxt, skill=st.skill + ch)
+            if ch == " " and _END in st.node and self.skills[st.skill].params:
+                return self._arg_start(st.skill, 0, ids_trie)
+            return None
+        if st.phase == _ARG:
+            if ch == " " and not st.started:
+                return st
+            if ch == "|":
+                done = st.started and (st.node is None or _END in st.node)
+                if done and st.param + 1 < len(self.skills[st.skill].params):
+                    return self._arg_start(st.skill, st.param + 1, ids_trie)
+                return None
+            if st.node is None:   # free text
+                return None if ch in "<\n" else _State(_ARG, st.skill, st.param, None, True)
+            nxt = st.node.get(ch)
+            return None if nxt is None or ch == _END else _State(_ARG, st.skill, st.param, nxt, True)
+        return None
+
+    def _closable(self, st: _State) -> bool:
+        """A call can end after its name or a complete argument when no required parameter is left."""
+        if st.phase == _NAME:
+            return _END in st.node and not any(p.required for p in self.skills[st.skill].params)
+        if st.phase == _ARG:
+            rest = self.skills[st.skill].params[st.param + 1:]
+            return st.started and (st.node is None or _END in st.node) and not any(p.required for p in rest)
+        return False
+
+    def step(self, st: _State, token: int, ids_trie: dict) -> _State | None:
+        """The state after one generated token, or None when it cannot continue a valid call."""
+        if st.phase == _PRE:
+            if token == self.open_id:
+                return _State(_NAME, node=self.name_trie)
+            return st if self.think and token in self.text else None
+        if st.phase == _CLOSED:
+            return None
+        if token == self.close_id:
+            return _State(_CLOSED) if self._closable(st) else None
+        s = self.text.get(token)
+        if s is None:
+            return None
+        for ch in s:
+            st = self._char(st, ch, ids_trie)
+            if st is None:
+                return None
+        return st
+
+    def allowed(self, st: _State, ids_trie: dict) -> list[int]:
+        if st.phase == _PRE:
+            return [self.open_id, *self.text] if self.think else [self.open_id]
+        if st.phase == _CLOSED:
+            return sorted(self.end_ids)
+        out = [self.close_id] if self._closable(st) else []
+        for first in self._first_chars(st, ids_trie):
+            for t in self.by_first.get(first, ()):
+                if self.step(st, t, ids_trie) is not None:
+                    out.append(t)
+        return out
+
+    def _first_chars(self, st: _State, ids_trie: dict):
+        if st.phase == _NAME:
+            return [c for c in st.node if c != _END] + ([" "] if _END in st.node else [])
+        if st.node is None:   # free text: anything but the separator and markup
+            return [c for c in self.by_first if c not in "<\n"]
+        return [c for c in st.node if c != _END] + [" ", "|"]
+
+    # ------------------------------------------------------------------ the batch
+
+    def ids_trie(self, prompt_text: str) -> dict:
+        return _trie(set(_WORD.findall(prompt_text)))
+
+    def processor(self, prompt_texts: list[str], width: int):
+        """A transformers `LogitsProcessor` for one batch: row b's prompt text is `prompt_texts[b]`, and its
+        generated tokens start at column `width` of the (left-padded) input ids."""
+        import torch
+        from transformers import LogitsProcessor
+
+        tries = [self.ids_trie(t) for t in prompt_texts]
+        states = [_State(_PRE) for _ in prompt_texts]
+        seen = [0] * len(prompt_texts)
+        machine = self
+        # the allowed tokens depend on the state only (a trie node is one row's or shared, and lives as long as
+        # this batch): rows and steps in the same state share one walk over the vocabulary
+        memo: dict = {}
+
+        def allowed(b: int) -> list[int]:
+            st = states[b]
+            if st is None:
+                return sorted(machine.end_ids)
+            key = (st.phase, st.skill, st.param, id(st.node), st.started)
+            if key not in memo:
+                memo[key] = machine.allowed(st, tries[b]) or sorted(machine.end_ids)
+            return memo[key]
+
+        class _Mask(LogitsProcessor):
+            def __call__(self, input_ids, scores):
+                mask = torch.full_like(scores, float("-inf"))
+                for b in range(input_ids.shape[0]):
+                    gen = input_ids[b, width:].tolist()
+                    for tok in gen[seen[b]:]:
+                        # a row already past its end (other rows still generating) stays closed
+                        nxt = machine.step(states[b], tok, tries[b]) if states[b] is not None else None
+                        states[b] = nxt
+                    seen[b] = len(gen)
+                    mask[b, allowed(b)] = 0.0
+                return scores + mask
+
+        return _Mask()
