@@ -230,6 +230,10 @@ def test_checkpoint_runs_in_the_sandbox_batched_like_sequential(sft_dataset, tmp
     assert all(u.prompt and u.prompt[-1]["role"] == "user" for tr in batched for u in tr.turns)
     metrics, _ = evaluate(tasks, str(final), batch_size=2)
     assert set(metrics) >= {"easy", "medium", "hard", "all"} and "invalid_action_rate" in metrics["all"]
+    # constrained, the barely trained student's every turn is a readable call of a real skill
+    _, trajs = evaluate(tasks, str(final), batch_size=2, constrained=True)
+    assert all(u.error not in ("parse_error", "unknown_tool") for tr in trajs for u in tr.turns)
+    assert all(u.tool_call is not None for tr in trajs for u in tr.turns)
 
 
 def test_tiny_student_size_follows_the_recipe(tok):
