@@ -186,15 +186,16 @@ class CallConstraint:
         states = [_State(_PRE) for _ in prompt_texts]
         seen = [0] * len(prompt_texts)
         machine = self
-        # the allowed tokens depend on the state only (a trie node is one row's or shared, and lives as long as
-        # this batch): rows and steps in the same state share one walk over the vocabulary
+        # the allowed tokens depend on the state and the row's ids (a token can run from a skill name or an enum
+        # value into the row's next id argument): a row's steps in the same state share one walk over the
+        # vocabulary (the tries live as long as this batch, so their ids are stable keys)
         memo: dict = {}
 
         def allowed(b: int) -> list[int]:
             st = states[b]
             if st is None:
                 return sorted(machine.end_ids)
-            key = (st.phase, st.skill, st.param, id(st.node), st.started)
+            key = (id(tries[b]), st.phase, st.skill, st.param, id(st.node), st.started)
             if key not in memo:
                 memo[key] = machine.allowed(st, tries[b]) or sorted(machine.end_ids)
             return memo[key]

@@ -435,3 +435,21 @@ def test_constrained_generation_writes_valid_calls_even_untrained(tok, tmp_path)
             for p in SKILLS[call.name].params:
                 if p.description.startswith("id") and not p.enum and call.arguments.get(p.name):
                     assert call.arguments[p.name] in words, (reply.text, p.name)
+
+
+def test_constrained_rows_of_one_batch_each_keep_their_own_ids(tok):
+    """In one batch, row 0 may name `red_box` and row 1 may not (its prompt never showed it), even at the same
+    point of the call (right after `navigate`, where the next token carries the space and the id's first word)."""
+    import torch
+
+    from agent.constrained import CallConstraint
+    cc = CallConstraint(tok)
+    prompts = ["Objects: red_box at room_0_1. Task: Go to the box.", "Objects: grey_key at room_0_1. Task: Go."]
+    proc = cc.processor(prompts, width=0)
+    gen = tok("<tool_call>navigate", add_special_tokens=False)["input_ids"]
+    first = tok(" red_box", add_special_tokens=False)["input_ids"][0]
+    for _ in range(2):  # twice: the second call answers from the memo
+        mask = proc(torch.tensor([gen, gen]), torch.zeros(2, len(tok)))
+        assert mask[0, first] == 0 and mask[1, first] == float("-inf")
+        room = tok(" room_0_1", add_special_tokens=False)["input_ids"][0]
+        assert mask[0, room] == 0 and mask[1, room] == 0
