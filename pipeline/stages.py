@@ -57,6 +57,27 @@ def build_tasks(recipe: Recipe, show_progress: bool = True) -> tuple[dict[str, l
     return {"train": train, "test": test}, out
 
 
+def build_rl_pool(recipe: Recipe, splits: dict[str, list[TaskInstance]], n_per_scene: int,
+                  show_progress: bool = False) -> list[TaskInstance]:
+    """Fresh tasks for online RL (`rl.task_pool: fresh`): the "rl" split, built like the others from its own seed
+    range, with no instruction text or layout of the train or test split and no held-out (type, colour) target:
+    RL practises on instances like the test split's (new texts, new layouts) that no demonstration covered, and
+    the test split stays unseen."""
+    cfg = build_config(recipe)
+    scenes = [load_scene(s) for s in recipe.sandbox.scene_list()]
+    texts = {t.instruction for split in splits.values() for t in split}
+    layouts = {t.layout_id for split in splits.values() for t in split}
+    bar = tqdm(total=len(scenes) * n_per_scene, desc="build rl tasks", unit="instr", disable=not show_progress)
+    pool = build_split(scenes, "rl", n_per_scene, cfg, BuildStats(), forbidden_texts=texts, forbidden_layouts=layouts,
+                       difficulties=recipe.sandbox.difficulties, progress=bar.update)
+    bar.close()
+    holdout = recipe.sandbox.holdout_combos()
+    if holdout:
+        from sandbox.builder import target_combos
+        pool = [t for t in pool if not target_combos(t) & holdout]
+    return pool
+
+
 def recipe_hash(recipe: Recipe) -> str:
     return hashlib.sha256(recipe.model_dump_json().encode()).hexdigest()[:16]
 

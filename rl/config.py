@@ -40,7 +40,11 @@ class RewardMix(_Strict):
 class RLSection(_Strict):
     algorithm: Literal["gigpo", "grpo"] = "gigpo"
     init: str = "sft"                    # "sft" (outputs/<recipe>/sft/final) or a model folder
-    difficulties: list[Literal["easy", "medium", "hard"]] | None = None   # train tasks used (default: all built)
+    difficulties: list[Literal["easy", "medium", "hard"]] | None = None   # pool tasks used (default: all built)
+    # "train": the train split (the instructions SFT was distilled from); "fresh": the "rl" split, new instructions
+    # and layouts (none of train or test), `pool_instructions_per_scene` of them
+    task_pool: Literal["train", "fresh"] = "train"
+    pool_instructions_per_scene: int = Field(default=200, ge=1)
     iterations: int = Field(default=40, ge=1, le=100_000)
     tasks_per_iteration: int = Field(default=8, ge=1)
     group_size: int = Field(default=8, ge=2)

@@ -115,7 +115,7 @@ class GiGPOTrainer:
         from accelerate import Accelerator, InitProcessGroupKwargs
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from pipeline.stages import build_tasks, human_factory, make_reward_engine
+        from pipeline.stages import build_rl_pool, build_tasks, human_factory, make_reward_engine
 
         cfg = self.cfg
         cpu = self.cpu if self.cpu is not None else not torch.cuda.is_available()
@@ -168,9 +168,11 @@ class GiGPOTrainer:
         self.human_factory = human_factory(self.recipe)
         splits = build_tasks(self.recipe, show_progress=False)[0]
         diffs = set(cfg.difficulties or ("easy", "medium", "hard"))
-        self.pool = [t for t in splits["train"] if t.difficulty in diffs]
+        pool = splits["train"] if cfg.task_pool == "train" else \
+            build_rl_pool(self.recipe, splits, cfg.pool_instructions_per_scene)
+        self.pool = [t for t in pool if t.difficulty in diffs]
         if not self.pool:
-            raise RLError(f"no train tasks at difficulties {sorted(diffs)} in recipe {self.recipe.name}")
+            raise RLError(f"no {cfg.task_pool} pool tasks at difficulties {sorted(diffs)} in recipe {self.recipe.name}")
         self.test = splits["test"][: cfg.eval_tasks] if cfg.eval_tasks else splits["test"]
         self.metrics_path = self.out / "metrics.jsonl"
         if acc.is_main_process:

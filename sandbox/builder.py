@@ -1014,13 +1014,17 @@ class ProceduralBuilder:
         return applied >= need
 
 
+# a split's instances draw their seeds from their own range (test and any other split: 1_000_003 on)
+_SPLIT_SEED_OFFSETS = {"train": 0, "rl": 2_000_029}
+
+
 def build_split(scenes: list[ScenePack], split: str, n_per_scene: int, cfg: BuildConfig, stats: BuildStats,
                 forbidden_texts: set[str] = frozenset(), forbidden_layouts: set[str] = frozenset(),
                 difficulties=DIFFICULTIES, progress=None, make_builder=None) -> list[TaskInstance]:
     """`make_builder(scene, cfg, stats)` gives the InstanceBuilder per scene (default: ProceduralBuilder; the
     LLM builder plugs in here and goes through the same validation)."""
     out: list[TaskInstance] = []
-    offset = 0 if split == "train" else 1_000_003
+    offset = _SPLIT_SEED_OFFSETS.get(split, 1_000_003)
     make_builder = make_builder or ProceduralBuilder
     for scene in scenes:
         b = make_builder(scene, cfg, stats)

@@ -18,7 +18,7 @@ class Strict(BaseModel):
 
 Difficulty = Literal["easy", "medium", "hard"]
 DIFFICULTIES: tuple[Difficulty, ...] = ("easy", "medium", "hard")
-Split = Literal["train", "test"]
+Split = Literal["train", "test", "rl"]   # rl: fresh instances for online RL (rl.task_pool: fresh)
 Setting = Literal["indoor", "outdoor", "mixed"]
 PlaceKind = Literal["room", "corridor", "outdoor", "stairwell"]
 ConnectionKind = Literal["open", "door", "stairs", "path", "gate"]

@@ -291,3 +291,23 @@ def test_a_missing_checkpoint_names_the_stage_that_makes_it(tmp_path, capsys):
                  "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "nowhere" in err and "embodistill sft" in err
+
+
+def test_a_fresh_task_pool_shares_no_layout_or_text_with_train_or_test(ci_setup, tmp_path):
+    from pipeline.stages import build_rl_pool, build_tasks
+    from rl.trainer import GiGPOTrainer
+    recipe, final = ci_setup
+    splits = build_tasks(recipe, show_progress=False)[0]
+    pool = build_rl_pool(recipe, splits, 2)
+    assert pool and {t.split for t in pool} == {"rl"}
+    seen_layouts = {t.layout_id for s in splits.values() for t in s}
+    seen_texts = {t.instruction for s in splits.values() for t in s}
+    assert not {t.layout_id for t in pool} & seen_layouts
+    assert not {t.instruction for t in pool} & seen_texts
+    assert [t.id for t in build_rl_pool(recipe, splits, 2)] == [t.id for t in pool]  # deterministic
+    # the trainer draws its tasks from it
+    r = _small_rl(recipe, iterations=1, save_every=1, task_pool="fresh", pool_instructions_per_scene=2)
+    trainer = GiGPOTrainer(r, tmp_path / "fresh", final, show_progress=False)
+    trainer.setup()
+    assert {t.id for t in trainer.pool} <= {t.id for t in pool}
+    assert all(t.split == "rl" for t in trainer.tasks_for(0))
