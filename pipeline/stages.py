@@ -22,6 +22,30 @@ def build_config(recipe: Recipe) -> BuildConfig:
                        max_budget=s.max_budget, max_attempts=s.max_attempts)
 
 
+def _builder_factory(recipe: Recipe):
+    """`make_builder` for `build_split`: None (procedural) or the recipe's LLM builder."""
+    if recipe.sandbox.builder != "llm":
+        return None
+    from agent.clients import make_client
+    from sandbox.llm_builder import LLMBuilder
+    client = make_client(recipe.sandbox.builder_model)
+
+    def make(scene, cfg, stats):
+        return LLMBuilder(client, cfg, [scene], max_attempts=recipe.sandbox.builder_attempts, stats=stats)
+    return make
+
+
+def _drop_held_out(recipe: Recipe, tasks: list[TaskInstance]) -> tuple[list[TaskInstance], set[str]]:
+    """The tasks without every instruction that targets a held-out (type, colour) combination, and those
+    instructions' ids (the compositional split keeps them out of training)."""
+    holdout = recipe.sandbox.holdout_combos()
+    if not holdout:
+        return tasks, set()
+    from sandbox.builder import target_combos
+    held = {t.instruction_id for t in tasks if target_combos(t) & holdout}
+    return [t for t in tasks if t.instruction_id not in held], held
+
+
 def build_tasks(recipe: Recipe, show_progress: bool = True) -> tuple[dict[str, list[TaskInstance]], dict]:
     """Train and test splits, disjoint in instructions and layouts, plus validation statistics."""
     cfg = build_config(recipe)
@@ -29,29 +53,18 @@ def build_tasks(recipe: Recipe, show_progress: bool = True) -> tuple[dict[str, l
     stats = BuildStats()
     n_train = recipe.sandbox.train_instructions_per_scene
     n_test = recipe.sandbox.test_instructions_per_scene
-    make = None
-    if recipe.sandbox.builder == "llm":
-        from agent.clients import make_client
-        from sandbox.llm_builder import LLMBuilder
-        client = make_client(recipe.sandbox.builder_model)
-
-        def make(scene, cfg, stats):
-            return LLMBuilder(client, cfg, [scene], max_attempts=recipe.sandbox.builder_attempts, stats=stats)
+    make = _builder_factory(recipe)
     bar = tqdm(total=len(scenes) * (n_train + n_test), desc="build tasks", unit="instr", disable=not show_progress)
     train = build_split(scenes, "train", n_train, cfg, stats, difficulties=recipe.sandbox.difficulties,
                         progress=bar.update, make_builder=make)
-    holdout, held = recipe.sandbox.holdout_combos(), set()
-    if holdout:  # the compositional split: no train instruction targets a held-out combination
-        from sandbox.builder import target_combos
-        held = {t.instruction_id for t in train if target_combos(t) & holdout}
-        train = [t for t in train if t.instruction_id not in held]
+    train, held = _drop_held_out(recipe, train)
     texts = {t.instruction for t in train}
     layouts = {t.layout_id for t in train}
     test = build_split(scenes, "test", n_test, cfg, stats, forbidden_texts=texts, forbidden_layouts=layouts,
                        difficulties=recipe.sandbox.difficulties, progress=bar.update, make_builder=make)
     bar.close()
     out = stats.to_json()
-    if holdout:
+    if recipe.sandbox.holdout_combos():
         out["compositional_holdout"] = {"combinations": sorted(recipe.sandbox.compositional_holdout),
                                         "train_instructions_dropped": len(held)}
     return {"train": train, "test": test}, out
@@ -59,23 +72,20 @@ def build_tasks(recipe: Recipe, show_progress: bool = True) -> tuple[dict[str, l
 
 def build_rl_pool(recipe: Recipe, splits: dict[str, list[TaskInstance]], n_per_scene: int,
                   show_progress: bool = False) -> list[TaskInstance]:
-    """Fresh tasks for online RL (`rl.task_pool: fresh`): the "rl" split, built like the others from its own seed
-    range, with no instruction text or layout of the train or test split and no held-out (type, colour) target:
-    RL practises on instances like the test split's (new texts, new layouts) that no demonstration covered, and
-    the test split stays unseen."""
+    """Fresh tasks for online RL (`rl.task_pool: fresh`): the "rl" split, built like the others (the recipe's
+    builder) from its own seed range, with no instruction text or layout of the train or test split and no
+    instruction targeting a held-out combination: RL practises on instances like the test split's (new texts,
+    new layouts) that no demonstration covered, and the test split stays unseen."""
     cfg = build_config(recipe)
     scenes = [load_scene(s) for s in recipe.sandbox.scene_list()]
     texts = {t.instruction for split in splits.values() for t in split}
     layouts = {t.layout_id for split in splits.values() for t in split}
     bar = tqdm(total=len(scenes) * n_per_scene, desc="build rl tasks", unit="instr", disable=not show_progress)
     pool = build_split(scenes, "rl", n_per_scene, cfg, BuildStats(), forbidden_texts=texts, forbidden_layouts=layouts,
-                       difficulties=recipe.sandbox.difficulties, progress=bar.update)
+                       difficulties=recipe.sandbox.difficulties, progress=bar.update,
+                       make_builder=_builder_factory(recipe))
     bar.close()
-    holdout = recipe.sandbox.holdout_combos()
-    if holdout:
-        from sandbox.builder import target_combos
-        pool = [t for t in pool if not target_combos(t) & holdout]
-    return pool
+    return _drop_held_out(recipe, pool)[0]
 
 
 def recipe_hash(recipe: Recipe) -> str:
