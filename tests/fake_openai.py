@@ -146,18 +146,21 @@ class FakeOpenAI:
                 time.sleep(answer.seconds)
                 answer = answer.then
             if isinstance(answer, Reply):
-                self._send(h, 200, json.dumps(completion_json(body, answer, n)))
+                code, text = 200, json.dumps(completion_json(body, answer, n))
             elif isinstance(answer, Status):
+                code = answer.code
                 text = answer.body or json.dumps({"error": {"message": f"fake status {answer.code}",
                                                             "type": "fake_error", "code": answer.code}})
-                self._send(h, answer.code, text)
             elif isinstance(answer, Garbage):
-                self._send(h, 200, answer.text)
+                code, text = 200, answer.text
             else:
                 raise TypeError(f"the responder returned {type(answer).__name__}, not Reply/Status/Delay/Garbage")
         finally:
+            # no longer in flight once the answer is ready: the client may send its next request as soon as the
+            # reply's bytes arrive, before this thread would get back here after sending them
             with self._lock:
                 self._in_flight -= 1
+        self._send(h, code, text)
 
     @staticmethod
     def _send(h: BaseHTTPRequestHandler, code: int, text: str) -> None:
