@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_openai import FakeOpenAI, Reply
+from fake_openai import Delay, FakeOpenAI, Reply
 
 from agent.prompt import SYSTEM_PROMPT, StepMemory, build_step_messages
 from agent.tools import tool_definitions
@@ -201,7 +201,7 @@ def test_an_api_teacher_runs_concurrently_over_http(distilled, recipe, train_tas
 
     def responder(body, n):
         assert body["tools"] == tool_definitions() and body["messages"][0]["content"] == SYSTEM_PROMPT
-        return Reply(replies[body["messages"][1]["content"]])
+        return Delay(0.005, Reply(replies[body["messages"][1]["content"]]))   # a server that takes a moment
 
     with FakeOpenAI(responder) as server:
         spec = ClientSpec(kind="openai", model="teacher-model", base_url=server.base_url, api_key_env="NO_SUCH_KEY")
