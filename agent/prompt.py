@@ -122,15 +122,14 @@ def task_objects(instruction: str, known: dict) -> str:
     key is still to be found, and that the box is not the key."""
     from sandbox.skills import id_words
     said = _words(instruction)
-    hits = []
+    entries, names = [], []
     for oid, name, loc in known["objects"]:
-        for words in (_words(name), _words(" ".join(id_words(oid)))):
+        forms = (_words(name), _words(" ".join(id_words(oid))))   # each object's words, computed once
+        names += forms
+        for words in forms:
             if words.strip() and words in said:
-                hits.append((said.index(words), oid, name, loc))
+                entries.append((said.index(words), _object(oid, name, loc, known, here=True)))
                 break
-    entries = [(pos, _object(oid, name, loc, known, here=True)) for pos, oid, name, loc in hits]
-    names = [_words(n) for _, n, _ in known["objects"]] + [_words(" ".join(id_words(o))) for o, _, _ in
-                                                             known["objects"]]
     names += [_words(x) for p in known.get("places", ()) for x in p[:2]]
     names += [_words(x) for pid, lms in known.get("landmarks", {}).items() for x in [pid, *lms]]
     names += [_words(c[0]) for c in known.get("connections", ())]
