@@ -48,8 +48,10 @@ class SFTSection(BaseModel):
     wandb: bool = False       # report to wandb (offline unless WANDB_MODE / WANDB_API_KEY say otherwise)
     threads: int | None = Field(default=None, ge=1)
     # bf16 autocast (weights and optimizer stay float32). On a GPU a pretrained student always trains so; on a CPU
-    # with native bf16 (AVX512-BF16, AMX) a tiny student's step takes about 0.75x the float32 time.
-    bf16: bool = False
+    # with native bf16 (AVX512-BF16, AMX) a tiny student's step takes about 0.75x the float32 time, while on one
+    # without (AVX2 only) bf16 is emulated and a step takes about 7x. "auto": bf16 where it is native (see
+    # `use_bf16`), float32 elsewhere.
+    bf16: bool | Literal["auto"] = False
     # A student built from scratch has never read anything. Before the assistant-only phase it can first learn
     # the language of its prompts: next-token loss on every token of the same training samples for this many
     # epochs (0 = off). Assistant-only loss alone labels a dozen of a sample's ~300 tokens; after this phase the
@@ -63,6 +65,31 @@ class SFTSection(BaseModel):
             raise ValueError("lm_epochs: the language-modelling phase is for students built from scratch (student.kind "
                              "tiny); a pretrained student already reads")
         return self
+
+
+def native_bf16() -> bool:
+    """Whether this machine computes bf16 natively: a CUDA GPU, or a CPU whose oneDNN has bf16 kernels
+    (AVX512-BF16 or AMX; an AVX2-only CPU emulates bf16, several times slower than float32)."""
+    import torch
+    if torch.cuda.is_available():
+        return True
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch build without oneDNN
+        return False
+
+
+def use_bf16(setting: bool | str) -> bool:
+    """`sft.bf16` resolved for this machine: "auto" is bf16 where it is native; `true` where it is not still
+    trains in bf16, with a warning that it is emulated (slow)."""
+    if setting == "auto":
+        return native_bf16()
+    if setting and not native_bf16():
+        import warnings
+        warnings.warn("sft.bf16: true on a CPU without native bf16 (no AVX512-BF16 or AMX): autocast is emulated "
+                      "and a step takes several times the float32 time; `bf16: auto` trains in float32 here",
+                      stacklevel=2)
+    return bool(setting)
 
 
 class RightPaddedCausalCollator:
@@ -161,7 +188,7 @@ def _train_phase(cfg: SFTSection, model, tok, peft_cfg, train, val, ckpt_dir: Pa
         eval_strategy="steps", eval_steps=cfg.eval_steps, save_strategy="steps", save_steps=cfg.save_steps,
         save_total_limit=2, report_to=report, disable_tqdm=not show_progress, dataloader_num_workers=0,
         use_cpu=not torch.cuda.is_available(),
-        bf16=cfg.bf16 or (torch.cuda.is_available() and cfg.student.kind != "tiny"),
+        bf16=use_bf16(cfg.bf16) or (torch.cuda.is_available() and cfg.student.kind != "tiny"),
         dataset_num_proc=None, remove_unused_columns=True, train_sampling_strategy="group_by_length",
         run_name=f"sft-{'assistant' if assistant_only else 'lm'}")
     trainer = SFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=val, processing_class=tok,
@@ -181,7 +208,7 @@ def _train_phase(cfg: SFTSection, model, tok, peft_cfg, train, val, ckpt_dir: Pa
                      "steps": trainer.state.global_step, "epochs": trainer.state.epoch,
                      "train_seconds": round(train_s, 1), "train_loss": result.training_loss,
                      "eval_loss": ev.get("eval_loss"), "eval_token_accuracy": ev.get("eval_mean_token_accuracy"),
-                     "resumed": resume, "curve": curve}
+                     "bf16": bool(args.bf16), "resumed": resume, "curve": curve}
 
 
 def run_sft(cfg: SFTSection, dataset_dir: str | Path, out: str | Path, seed: int = 0, show_progress: bool = True,

@@ -191,9 +191,25 @@ def test_bf16_autocast_trains_on_cpu(sft_dataset, tmp_path):
     m = run_sft(cfg, sft_dataset, tmp_path / "sft", seed=0, show_progress=False)
     losses = [c["loss"] for c in m["curve"] if "loss" in c]
     assert losses[-1] < losses[0]
+    assert m["bf16"] is True
     from safetensors.torch import load_file
     weights = load_file(tmp_path / "sft" / "final" / "model.safetensors")
     assert {str(w.dtype) for w in weights.values()} == {"torch.float32"}
+
+
+def test_bf16_auto_is_bf16_only_where_native(monkeypatch):
+    """`bf16: auto` (the recipes' setting) trains in bf16 only where the machine computes it natively; an explicit
+    `true` on an emulating CPU still trains in bf16 but warns; anything else is rejected, naming the key."""
+    import sft.train as st
+    assert SFTSection(bf16="auto").bf16 == "auto"
+    with pytest.raises(ValueError, match="bf16"):
+        SFTSection(bf16="fast")
+    for native in (True, False):
+        monkeypatch.setattr(st, "native_bf16", lambda native=native: native)
+        assert st.use_bf16("auto") is native
+        assert st.use_bf16(False) is False
+    with pytest.warns(UserWarning, match="emulated"):
+        assert st.use_bf16(True) is True
 
 
 def test_a_few_sft_steps_lower_the_loss_and_resume(sft_dataset, tmp_path):
