@@ -296,12 +296,15 @@ class GiGPOTrainer:
         world = acc.num_processes
         per_step_tokens = max(n_tok / cfg.mini_batches, 1.0) / world
         rng = np.random.default_rng([self.seed, it, acc.process_index])
+        lengths = np.array([len(rows[i].prompt_ids) + len(rows[i].response_ids) for i in active], dtype=np.int64)
         # nothing to learn anywhere (every advantage 0, e.g. a GRPO batch of equal returns): no optimizer step,
         # which would still move the weights through Adam's momentum
         epochs = cfg.ppo_epochs if self._reduce({"a": float(len(active))})["a"] > 0 else 0
         for _epoch in range(epochs):
             order = rng.permutation(len(active)) if active else np.zeros(0, dtype=np.int64)
             for part in np.array_split(order, cfg.mini_batches):
+                # micro-batches of similar lengths pad less; the mini-batch's gradient is their sum either way
+                part = part[np.argsort(lengths[part], kind="stable")] if len(part) else part
                 chunks = [part[lo: lo + mb] for lo in range(0, len(part), mb)]
                 n_chunks = int(self._reduce({"k": float(max(len(chunks), 1))}, op="max")["k"]) if world > 1 \
                     else max(len(chunks), 1)
