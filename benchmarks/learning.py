@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="default outputs/bench-learning[-rl]")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="RL seeds (--stage rl)")
     ap.add_argument("--iterations", type=int, default=None, help="override rl.iterations (--stage rl)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="RL runs at once (--stage rl), each in its own process with cores // jobs torch threads")
     ap.add_argument("--skip-train", action="store_true", help="measure an existing OUT/sft/final")
     ap.add_argument("--batch", type=int, default=32, help="episodes stepped together at evaluation")
     ap.add_argument("--max-validation-steps", type=int, default=600)
@@ -140,7 +142,6 @@ def rl_stage(args) -> None:
     """SFT student vs GiGPO vs GRPO on the test split, over seeds, at equal rollout budget."""
     from pipeline.recipe import load_recipe
     from pipeline.stages import run_distill_stage, run_sft_stage
-    from rl.trainer import GiGPOTrainer
 
     recipe = load_recipe(args.recipe or ROOT / "recipes" / "medium.yaml")
     out = Path(args.out or ROOT / "outputs" / "bench-learning-rl")
@@ -163,21 +164,33 @@ def rl_stage(args) -> None:
     report["sft_seconds"] = round(time.time() - t1, 1)
     report["cached_stages"] = cached
     runs: dict[str, list[dict]] = {"gigpo": [], "grpo": []}
-    for seed in args.seeds:
-        for alg in ("gigpo", "grpo"):
-            t1 = time.time()
-            run_dir = out / "rl" / f"{alg}-seed{seed}"
-            if (run_dir / "checkpoints").is_dir():
-                cached.append(f"{alg}-seed{seed} (resumed)")
-            s = GiGPOTrainer(recipe, run_dir, init, algorithm=alg, seed=seed,
-                             iterations=args.iterations, resume=True, show_progress=False).train()
-            runs[alg].append({"seed": seed, "seconds": round(time.time() - t1, 1),
-                              "rollout_episodes": s["rollout_episodes"],
-                              "initial": _tsr_gcr(s["initial_eval"]), "final": _tsr_gcr(s["final_eval"]),
-                              "train_success_first": s["train_success_first"],
-                              "train_success_last": s["train_success_last"]})
-            print(json.dumps({alg: runs[alg][-1]}), file=sys.stderr, flush=True)
-            (out / "learning_rl_partial.json").write_text(json.dumps({**report, "runs": runs}, indent=2))
+    plan = [(seed, alg) for seed in args.seeds for alg in ("gigpo", "grpo")]
+    for seed, alg in plan:
+        if (out / "rl" / f"{alg}-seed{seed}" / "checkpoints").is_dir():
+            cached.append(f"{alg}-seed{seed} (resumed)")
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs must be >= 1, got {args.jobs}")
+    jobs = min(args.jobs, len(plan))
+    if jobs > 1 and recipe.rl.threads is None:  # share the cores: each run's trainer would take them all
+        from rl.config import RLSection
+        threads = max(1, _cores() // jobs)
+        recipe = recipe.model_copy(update={"rl": RLSection.model_validate({**recipe.rl.model_dump(),
+                                                                          "threads": threads})})
+    report["jobs"], report["torch_threads_per_run"] = jobs, recipe.rl.threads or _cores()
+    call = [(recipe, out / "rl" / f"{alg}-seed{seed}", init, alg, seed, args.iterations) for seed, alg in plan]
+    if jobs == 1:
+        results = map(_rl_run, call)
+    else:  # runs are independent processes (spawned: no torch state is forked); results come back in plan order
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+        results = pool.map(_rl_run, call)
+    for (_seed, alg), res in zip(plan, results, strict=True):
+        runs[alg].append(res)
+        print(json.dumps({alg: res}), file=sys.stderr, flush=True)
+        (out / "learning_rl_partial.json").write_text(json.dumps({**report, "runs": runs}, indent=2))
+    if jobs > 1:
+        pool.shutdown()
     report["runs"] = runs
 
     def mean(alg: str, when: str, key: str = "tsr", diff: str = "all") -> float:
@@ -197,14 +210,30 @@ def rl_stage(args) -> None:
     report["gigpo_gain_over_sft_points"], report["gigpo_over_grpo_points"] = gain, over
     # the main job's parts, when this invocation ran them all (nothing cached or resumed)
     first = runs["gigpo"][0]["seconds"] if runs["gigpo"] else 0.0
-    report["main_job_minutes"] = None if cached else round((report["distill_seconds"] + report["sft_seconds"] +
-                                                             first) / 60, 2)
+    # (not with --jobs > 1: a run sharing the cores with others does not time the main job)
+    report["main_job_minutes"] = None if cached or jobs > 1 else \
+        round((report["distill_seconds"] + report["sft_seconds"] + first) / 60, 2)
     report["peak_rss_mb"] = _rss_mb()
     report["acceptance"] = {"gigpo_gain_ge_10_points": gain >= 10, "gigpo_over_grpo_ge_5_points": over >= 5,
-                            "main_job_le_45_min": None if cached else report["main_job_minutes"] <= 45,
+                            "main_job_le_45_min": None if report["main_job_minutes"] is None
+                            else report["main_job_minutes"] <= 45,
                             "peak_memory_le_6_gb": max(report["peak_rss_mb"].values()) <= 6144,
                             "seeds_ge_3": len(args.seeds) >= 3}
     print(json.dumps(report, indent=2))
+
+
+def _rl_run(job: tuple) -> dict:
+    """One RL run of the benchmark (resumed when its folder holds checkpoints); a top-level function, so that
+    --jobs can run it in a child process."""
+    from rl.trainer import GiGPOTrainer
+    recipe, run_dir, init, alg, seed, iterations = job
+    t1 = time.time()
+    s = GiGPOTrainer(recipe, run_dir, init, algorithm=alg, seed=seed, iterations=iterations, resume=True,
+                     show_progress=False).train()
+    return {"seed": seed, "seconds": round(time.time() - t1, 1), "rollout_episodes": s["rollout_episodes"],
+            "initial": _tsr_gcr(s["initial_eval"]), "final": _tsr_gcr(s["final_eval"]),
+            "train_success_first": s["train_success_first"], "train_success_last": s["train_success_last"],
+            "peak_rss_mb": s["peak_rss_mb"]}
 
 
 def _tsr_gcr(ev: dict | None) -> dict | None:
