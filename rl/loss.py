@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -95,3 +96,23 @@ def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
         loss = loss + kl_coef * (kl * mask).sum() / n_tokens
         stats["kl_sum"] = float((kl.detach() * mask).sum())
     return loss, stats
+
+
+def trajectory_mean_scale(traj_ids, row_tokens, n_tokens: float, n_trajectories: float) -> np.ndarray:
+    """Per-row factors that turn the token-mean into a mean over trajectories (`rl.loss_agg: trajectory-mean`).
+
+    Multiplying row i's advantage by n_tokens / (n_trajectories * tokens of i's trajectory) gives every
+    trajectory the total weight n_tokens / n_trajectories under the token-mean of `ppo_loss` (the clipped
+    surrogate scales with a positive factor on A), so a long episode weighs as much as a short one. `n_tokens`
+    and `n_trajectories` are the whole update batch's (all processes); the rows' trajectories are local.
+    """
+    traj_ids = np.asarray(traj_ids)
+    tokens = np.asarray(row_tokens, dtype=np.float64)
+    if traj_ids.shape != tokens.shape or traj_ids.ndim != 1:
+        raise ValueError(f"trajectory_mean_scale: traj_ids {traj_ids.shape} and row_tokens {tokens.shape} must be "
+                         "1-D of one length")
+    if n_trajectories <= 0:
+        raise ValueError("trajectory_mean_scale: n_trajectories must be > 0")
+    _, of_row = np.unique(traj_ids, return_inverse=True)
+    per_traj = np.bincount(of_row.reshape(-1), weights=tokens)
+    return (n_tokens / (n_trajectories * np.maximum(per_traj, 1.0)))[of_row.reshape(-1)]

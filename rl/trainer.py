@@ -3,7 +3,7 @@
     1. rollouts   B train tasks x G samples in lockstep from the current policy     (rl.rollout)
     2. rewards    the reward engine's turn and episode verdicts, mixed with success (rl.config.RewardMix)
     3. advantages episode-level + anchor-state step-level relative advantages       (rl.gigpo)
-    4. update     PPO clipped surrogate on the response tokens, token-mean          (rl.loss)
+    4. update     PPO clipped surrogate on the response tokens, token- or trajectory-mean (rl.loss)
 
     from rl.trainer import GiGPOTrainer
     GiGPOTrainer(recipe, out="outputs/medium/rl/gigpo").train()
@@ -232,7 +232,7 @@ class GiGPOTrainer:
     def iteration(self, it: int) -> dict:
         import torch
 
-        from rl.loss import ppo_loss
+        from rl.loss import ppo_loss, trajectory_mean_scale
         from rl.rollout import collect_rollouts
         from sandbox.metrics import aggregate
 
@@ -269,6 +269,12 @@ class GiGPOTrainer:
         n_tok_local = float(sum(len(r.response_ids) for r in rows))
         n_tok = self._reduce({"n": n_tok_local})["n"]
         active = [i for i in range(len(rows)) if abs(adv[i]) > 1e-12 or self.ref is not None]
+        adv_loss = adv
+        if cfg.loss_agg == "trajectory-mean" and len(rows):
+            # scale each row's advantage by n_tok / (K * tokens of its trajectory): under the token-mean below
+            # every trajectory then weighs 1/K (the clipped surrogate is linear in a positive scale of A)
+            k_total = self._reduce({"k": float(np.unique(traj_ids).size)})["k"]
+            adv_loss = adv * trajectory_mean_scale(traj_ids, [len(r.response_ids) for r in rows], n_tok, k_total)
         mb = cfg.micro_batch_rows
         # old log-probs: the engine's own, kept with the ids at sampling time (token in, token out), or computed
         # once before the update on the kept ids when the engine's numerics differ from the trainer's (vLLM)
@@ -330,7 +336,7 @@ class GiGPOTrainer:
                                 if ref_t is not None:
                                     ref_t[j, : len(rows[i].response_ids)] = ref[i]
                             mask = packed.response_mask.to(lp.device)
-                            a = torch.tensor(adv[idx], dtype=lp.dtype, device=lp.device)
+                            a = torch.tensor(adv_loss[idx], dtype=lp.dtype, device=lp.device)
                             loss, st = ppo_loss(lp, old_t, a, mask, per_step_tokens, cfg.clip_eps, cfg.clip_eps_high,
                                                 ref_t, cfg.kl_coef)
                             stats["clipped_tokens"] += st["clipped_tokens"]

@@ -70,6 +70,27 @@ def test_ppo_loss_is_a_token_mean_and_masks_padding_and_adds_k3_kl():
         ppo_loss(logp, logp, torch.zeros(2), mask, n_tokens=0)
 
 
+def test_trajectory_mean_gives_every_trajectory_the_same_weight():
+    from rl.loss import trajectory_mean_scale
+    traj = np.array([7, 7, 7, 3, 9, 9])         # a long trajectory, a one-step one, a two-step one
+    tokens = np.array([5, 4, 6, 3, 2, 8])
+    n_tok = float(tokens.sum())
+    scale = trajectory_mean_scale(traj, tokens, n_tok, 3)
+    weight = {t: float((scale * tokens)[traj == t].sum()) for t in (7, 3, 9)}
+    assert weight == pytest.approx({7: n_tok / 3, 3: n_tok / 3, 9: n_tok / 3})
+    assert np.all(scale[traj == 7] == scale[0])  # one factor per trajectory: its rows keep their proportions
+    # in the loss: with A = 1 everywhere and ratio 1, each trajectory contributes 1/3 of -1
+    adv = torch.tensor(scale, dtype=torch.float32)
+    mask = torch.zeros(6, 8)
+    for i, k in enumerate(tokens):
+        mask[i, :k] = 1.0
+    lp = torch.zeros(6, 8)
+    loss, _ = ppo_loss(lp, lp, adv, mask, n_tok)
+    assert float(loss) == pytest.approx(-1.0)
+    with pytest.raises(ValueError, match="one length"):
+        trajectory_mean_scale(traj, tokens[:3], n_tok, 3)
+
+
 def test_packed_rows_give_the_log_probs_of_each_row_alone():
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
@@ -220,7 +241,8 @@ def test_one_iteration_end_to_end_then_exact_resume(ci_setup, tmp_path):
 
 def test_the_update_does_not_depend_on_the_micro_batch_size(ci_setup, tmp_path):
     """Micro-batches (sorted by length within a mini-batch, so they pad less) only split the mini-batch's
-    gradient into a sum: one micro-batch per mini-batch and micro-batches of 2 rows give the same weights."""
+    gradient into a sum: one micro-batch per mini-batch and micro-batches of 2 rows give the same weights.
+    With trajectories of equal length the trajectory-mean loss is the token-mean (unequal ones: the test above)."""
     from rl.trainer import GiGPOTrainer
     recipe, final = ci_setup
     whole = _small_rl(recipe, iterations=1, save_every=1, micro_batch_rows=10_000, mini_batches=2)
@@ -236,6 +258,15 @@ def test_the_update_does_not_depend_on_the_micro_batch_size(ci_setup, tmp_path):
     # float sums in another order only: Adam can turn a near-zero gradient's rounding into a small step, so
     # the two runs differ by a tiny fraction of what the update moved
     assert moved > 1e-5 and apart < 0.05 * moved, (moved, apart)
+    # rl.loss_agg: trajectory-mean runs in the trainer; here every trajectory has the same number of tokens
+    # (each response runs to max_new_tokens, each episode to max_steps), where it is the token-mean
+    per_traj = _small_rl(recipe, iterations=1, save_every=1, mini_batches=2, loss_agg="trajectory-mean")
+    c = GiGPOTrainer(per_traj, tmp_path / "traj", final, show_progress=False).train()
+    assert c["rollout_episodes"] == a["rollout_episodes"]
+    cfg = per_traj.rl
+    assert row["response_tokens"] == row["rows"] * cfg.max_new_tokens and row["mean_steps"] == cfg.max_steps
+    wc = _weights(tmp_path / "traj" / "final")
+    assert max(float((wc[k] - wa[k]).abs().max()) for k in w0) < 0.05 * moved
 
 
 def test_grpo_plays_the_same_rollouts_with_episode_level_advantages_only(ci_setup, tmp_path, monkeypatch):
