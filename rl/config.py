@@ -60,10 +60,9 @@ class RLSection(_Strict):
     max_steps: int | None = Field(default=None, ge=1)   # cap on an episode's steps (default: the task's budget)
     engine: Literal["transformers", "vllm"] = "transformers"
     vllm_gpu_memory_utilization: float = Field(default=0.3, gt=0.0, le=1.0)
-    # the update (PPO clipped surrogate, token-mean)
-    # "token-mean": every response token of the iteration weighs the same (long episodes weigh more);
-    # "trajectory-mean": every trajectory weighs the same, its tokens sharing its weight (DAPO's token-mean within
-    # an episode, the mean over episodes outside)
+    # the update (PPO clipped surrogate). loss_agg "token-mean": every response token of the iteration weighs the
+    # same (long episodes weigh more); "trajectory-mean": every trajectory weighs the same, its tokens sharing its
+    # weight (the surrogate only: the KL term stays a token-mean)
     loss_agg: Literal["token-mean", "trajectory-mean"] = "token-mean"
     lr: float = Field(default=1e-4, gt=0.0, le=1.0)
     weight_decay: float = Field(default=0.0, ge=0.0)
