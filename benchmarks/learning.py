@@ -22,7 +22,9 @@ seed a GiGPO run and a GRPO run from the same SFT checkpoint with the same rollo
 tasks and group size; only the advantage differs), and prints the test TSR/GCR of the SFT student and of each
 final policy per seed and averaged, the gains, how far apart the seeds are (`seed_spread`: per-seed gains and the
 standard error of their mean; GiGPO minus GRPO paired by seed), the wall time of the main job's parts (distill +
-SFT + one GiGPO run) and the peak memory of this process.
+SFT + one GiGPO run) and the peak memory of this process. Where the test TSR comes from: `test_tsr_by_combination`
+(test tasks on target combinations seen in training, and on held-out ones) and, with `rl.eval_pool_tasks`,
+`rl_pool_tsr` (the same greedy play on a fixed sample of the RL pool, the distribution RL practises on).
 """
 
 from __future__ import annotations
@@ -195,7 +197,7 @@ def rl_stage(args) -> None:
     report["runs"] = runs
 
     def mean(alg: str, when: str, key: str = "tsr", diff: str = "all") -> float:
-        vals = [r[when][diff][key] for r in runs[alg] if r[when]]
+        vals = [r[when][diff][key] for r in runs[alg] if r[when] and diff in r[when]]
         return round(sum(vals) / len(vals), 4) if vals else float("nan")
 
     sft_tsr = mean("gigpo", "initial")
@@ -206,6 +208,19 @@ def rl_stage(args) -> None:
         alg: {d: mean(alg, "final", "tsr", d) for d in ("easy", "medium", "hard")} for alg in ("gigpo", "grpo")}
     report["test_tsr_by_difficulty"]["sft"] = {d: mean("gigpo", "initial", "tsr", d)
                                                for d in ("easy", "medium", "hard")}
+    # where the test TSR comes from: tasks on combinations seen in training and on held-out ones; and the same
+    # greedy play on a fixed sample of the RL pool (the tasks' distribution RL practises on)
+    first_eval = runs["gigpo"][0]["initial"] if runs["gigpo"] and runs["gigpo"][0]["initial"] else {}
+    groups = [g for g in ("seen", "compositional") if g in first_eval]
+    if groups:
+        report["test_tsr_by_combination"] = {
+            "episodes": {g: first_eval[g]["episodes"] for g in groups},
+            "sft": {g: mean("gigpo", "initial", "tsr", g) for g in groups},
+            **{alg: {g: mean(alg, "final", "tsr", g) for g in groups} for alg in ("gigpo", "grpo")}}
+    if "pool" in first_eval:
+        report["rl_pool_tsr"] = {"episodes": first_eval["pool"]["episodes"],
+                                 "sft": mean("gigpo", "initial", "tsr", "pool"),
+                                 **{alg: mean(alg, "final", "tsr", "pool") for alg in ("gigpo", "grpo")}}
     gain = round(100 * (report["test_tsr"]["gigpo"] - sft_tsr), 1)
     over = round(100 * (report["test_tsr"]["gigpo"] - report["test_tsr"]["grpo"]), 1)
     report["gigpo_gain_over_sft_points"], report["gigpo_over_grpo_points"] = gain, over
@@ -254,9 +269,13 @@ def _spread(points: list[float]) -> dict:
 
 
 def _tsr_gcr(ev: dict | None) -> dict | None:
+    """TSR and GCR of each block of an evaluation row (difficulties, all, and seen / compositional / pool when the
+    run has them)."""
     if not ev:
         return None
-    return {d: {"tsr": ev[d]["tsr"], "gcr": ev[d]["gcr"]} for d in ("easy", "medium", "hard", "all")}
+    from rl.trainer import EVAL_GROUPS
+    return {d: {"tsr": ev[d]["tsr"], "gcr": ev[d]["gcr"], "episodes": ev[d]["episodes"]}
+            for d in EVAL_GROUPS if d in ev}
 
 
 def _cores() -> int:

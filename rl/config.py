@@ -80,6 +80,9 @@ class RLSection(_Strict):
     save_every: int = Field(default=10, ge=1)
     eval_every: int = Field(default=10, ge=0)           # 0: no evaluation (also none at the start and end)
     eval_tasks: int | None = Field(default=None, ge=1)   # test tasks per periodic evaluation (default: all)
+    # also play this many RL-pool tasks greedily at each evaluation (a fixed sample: the distribution RL practises
+    # on, so a rise there and none on the test split means RL learned what does not transfer); 0: off
+    eval_pool_tasks: int = Field(default=0, ge=0)
     eval_batch: int = Field(default=32, ge=1)
     wandb: bool = False
     threads: int | None = Field(default=None, ge=1)

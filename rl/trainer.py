@@ -30,6 +30,11 @@ import numpy as np
 from agent.trajectory import write_json
 from rl.config import RLSection
 from rl.gigpo import anchor_state_groups, get_advantage_estimator
+from sandbox.builder import target_combos
+
+# the blocks of an evaluation row: test tasks by difficulty and all of them, then (when present) the test tasks
+# on seen and on held-out combinations, and the RL-pool sample
+EVAL_GROUPS = ("easy", "medium", "hard", "all", "seen", "compositional", "pool")
 
 
 class RLError(RuntimeError):
@@ -174,6 +179,11 @@ class GiGPOTrainer:
         if not self.pool:
             raise RLError(f"no {cfg.task_pool} pool tasks at difficulties {sorted(diffs)} in recipe {self.recipe.name}")
         self.test = splits["test"][: cfg.eval_tasks] if cfg.eval_tasks else splits["test"]
+        # a fixed sample of the pool (the same for every seed and algorithm), played greedily at each evaluation
+        pick = np.random.default_rng(self.recipe.eval.seed).permutation(len(self.pool))[: cfg.eval_pool_tasks]
+        self.pool_eval = [self.pool[i] for i in sorted(pick.tolist())]
+        held = self.recipe.sandbox.holdout_combos()
+        self.compositional = {t.id for t in self.test if held and target_combos(t) & held}
         self.metrics_path = self.out / "metrics.jsonl"
         if acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -409,14 +419,19 @@ class GiGPOTrainer:
             h.update(str(f.stat().st_size).encode())
             h.update(str(f.stat().st_mtime_ns).encode())
         h.update(json.dumps([[t.id, t.instruction, t.step_budget] for t in self.test]).encode())
+        h.update(json.dumps([[t.id, t.instruction, t.step_budget] for t in self.pool_eval]).encode())
+        h.update(json.dumps(sorted(self.compositional)).encode())
         h.update(json.dumps([self.recipe.eval.seed, self.cfg.max_new_tokens, self.cfg.memory_size]).encode())
         return self.init / f"rl_initial_eval_{h.hexdigest()[:16]}.json"
 
     def evaluate(self, it: int) -> dict | None:
-        """Greedy play of the current policy on the test split (main process; the others wait)."""
+        """Greedy play of the current policy on the test split (main process; the others wait): metrics per
+        difficulty and "all"; with held-out combinations in the recipe also "seen" and "compositional" (test
+        tasks whose instruction targets a held-out combination); with `rl.eval_pool_tasks` also "pool" (the fixed
+        sample of the RL pool, played the same way)."""
         from agent.clients import TransformersClient
         from evaluation.sandbox_eval import run_model_batched
-        from sandbox.metrics import split_metrics
+        from sandbox.metrics import aggregate, split_metrics
         out = None
         cache = self._initial_eval_cache() if it == 0 else None
         if self.acc.is_main_process and cache is not None and cache.is_file():
@@ -430,11 +445,19 @@ class GiGPOTrainer:
             trajs = run_model_batched(self.test, client, seeds, batch_size=self.cfg.eval_batch,
                                       memory_size=self.cfg.memory_size, name="student",
                                       human_factory=self.human_factory)
-            model.train()
             m = split_metrics(trajs)
+            if self.compositional:
+                m["seen"] = aggregate([t for t in trajs if t.task_id not in self.compositional])
+                m["compositional"] = aggregate([t for t in trajs if t.task_id in self.compositional])
+            if self.pool_eval:
+                seeds = [self.recipe.eval.seed * 100_003 + 50_000 + i for i in range(len(self.pool_eval))]
+                m["pool"] = aggregate(run_model_batched(self.pool_eval, client, seeds, batch_size=self.cfg.eval_batch,
+                                                        memory_size=self.cfg.memory_size, name="student",
+                                                        human_factory=self.human_factory))
+            model.train()
             out = {"kind": "eval", "iteration": it, "split": "test", "seconds": round(time.perf_counter() - t0, 1),
                    **{d: {k: m[d][k] for k in ("episodes", "tsr", "gcr", "mean_steps", "invalid_action_rate")}
-                      for d in ("easy", "medium", "hard", "all")}}
+                      for d in EVAL_GROUPS if d in m}}
             if cache is not None:
                 try:
                     write_json(cache, out)
@@ -506,7 +529,7 @@ class GiGPOTrainer:
             os.fsync(f.fileno())
         if self._wandb is not None:
             flat = {f"{row['kind']}/{k}": v for k, v in row.items() if isinstance(v, (int, float))}
-            for d in ("easy", "medium", "hard", "all"):
+            for d in EVAL_GROUPS:
                 if isinstance(row.get(d), dict):
                     flat.update({f"eval/{d}/{k}": v for k, v in row[d].items()})
             self._wandb.log(flat, step=row["iteration"])
@@ -613,6 +636,10 @@ def plot_curves(metrics_path: Path, png: Path, title: str = "") -> Path | None:
         axes[1].plot([r["iteration"] for r in evals], [r[d]["tsr"] for r in evals], marker="o", label=f"test TSR {d}")
     axes[1].plot([r["iteration"] for r in evals], [r["all"]["gcr"] for r in evals], "k--", marker="x",
                  label="test GCR all")
+    pool = [r for r in evals if "pool" in r]
+    if pool:
+        axes[1].plot([r["iteration"] for r in pool], [r["pool"]["tsr"] for r in pool], ":", marker="s",
+                     label="RL-pool TSR")
     axes[1].set_xlabel("iteration")
     axes[1].set_ylim(-0.02, 1.02)
     axes[1].legend(fontsize=7)

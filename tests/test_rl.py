@@ -301,6 +301,33 @@ def test_the_starting_checkpoint_is_evaluated_once_per_test_split(ci_setup, tmp_
     assert a["final_eval"]["iteration"] == 1 and len(list(init.glob("rl_initial_eval_*.json"))) == 1
 
 
+def test_evaluation_splits_seen_and_held_out_combinations_and_plays_a_fixed_pool_sample(ci_setup, tmp_path):
+    from pipeline.recipe import SandboxSection
+    from pipeline.stages import build_tasks
+    from rl.trainer import GiGPOTrainer
+    from sandbox.builder import target_combos
+    recipe, final = ci_setup
+    test = build_tasks(recipe, show_progress=False)[0]["test"][:8]
+    combo = next(c for t in test for c in sorted(target_combos(t), key=str) if c[1])  # (type, colour)
+    held = recipe.model_copy(update={"sandbox": SandboxSection.model_validate(
+        {**recipe.sandbox.model_dump(), "compositional_holdout": [f"{combo[1]} {combo[0]}"]})})
+    n_held = sum(1 for t in build_tasks(held, show_progress=False)[0]["test"][:8] if combo in target_combos(t))
+    r = _small_rl(held, iterations=1, eval_every=1, eval_tasks=8, eval_pool_tasks=3, save_every=1)
+    a = GiGPOTrainer(r, tmp_path / "a", final, show_progress=False)
+    s = a.train()
+    assert len(a.pool_eval) == 3 and len(a.compositional) == n_held >= 1
+    for ev in (s["initial_eval"], s["final_eval"]):
+        assert ev["pool"]["episodes"] == 3
+        assert ev["compositional"]["episodes"] == n_held and ev["seen"]["episodes"] == 8 - n_held
+    b = GiGPOTrainer(_small_rl(held, iterations=1, eval_every=0, eval_pool_tasks=3), tmp_path / "b", final,
+                     seed=1, show_progress=False)
+    b.setup()
+    assert [t.id for t in b.pool_eval] == [t.id for t in a.pool_eval]  # one sample for every seed
+    plain = GiGPOTrainer(_small_rl(recipe, iterations=1), tmp_path / "c", final, show_progress=False)
+    plain.setup()
+    assert plain.pool_eval == [] and plain.compositional == set()
+
+
 def test_two_processes_train_with_ddp(ci_setup, tmp_path):
     """torchrun with two CPU processes (gloo): each plays its groups, gradients are averaged."""
     recipe, final = ci_setup
