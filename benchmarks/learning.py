@@ -23,7 +23,8 @@ tasks and group size; only the advantage differs), and prints the test TSR/GCR o
 final policy per seed and averaged, the gains, how far apart the seeds are (`seed_spread`: per-seed gains and the
 standard error of their mean; GiGPO minus GRPO paired by seed), the wall time of the main job's parts (distill +
 SFT + one GiGPO run) and the peak memory of this process. Where the test TSR comes from: `test_tsr_by_combination`
-(test tasks on target combinations seen in training, and on held-out ones) and, with `rl.eval_pool_tasks`,
+(`compositional`: the test tasks whose targets were never targets in training, as in the SFT stage; `seen`: the
+others) and, with `rl.eval_pool_tasks`,
 `rl_pool_tsr` (the same greedy play on a fixed sample of the RL pool, the distribution RL practises on).
 """
 
@@ -208,7 +209,7 @@ def rl_stage(args) -> None:
         alg: {d: mean(alg, "final", "tsr", d) for d in ("easy", "medium", "hard")} for alg in ("gigpo", "grpo")}
     report["test_tsr_by_difficulty"]["sft"] = {d: mean("gigpo", "initial", "tsr", d)
                                                for d in ("easy", "medium", "hard")}
-    # where the test TSR comes from: tasks on combinations seen in training and on held-out ones; and the same
+    # where the test TSR comes from: the compositional test tasks and the others (`seen`); and the same
     # greedy play on a fixed sample of the RL pool (the tasks' distribution RL practises on)
     first_eval = runs["gigpo"][0]["initial"] if runs["gigpo"] and runs["gigpo"][0]["initial"] else {}
     groups = [g for g in ("seen", "compositional") if g in first_eval]

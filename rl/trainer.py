@@ -30,10 +30,11 @@ import numpy as np
 from agent.trajectory import write_json
 from rl.config import RLSection
 from rl.gigpo import anchor_state_groups, get_advantage_estimator
-from sandbox.builder import target_combos
+from sft.metrics import compositional_split
 
 # the blocks of an evaluation row: test tasks by difficulty and all of them, then (when present) the test tasks
-# on seen and on held-out combinations, and the RL-pool sample
+# on target combinations seen in training and on the others (`sft.metrics.compositional_split`), and the RL-pool
+# sample
 EVAL_GROUPS = ("easy", "medium", "hard", "all", "seen", "compositional", "pool")
 
 
@@ -182,8 +183,8 @@ class GiGPOTrainer:
         # a fixed sample of the pool (the same for every seed and algorithm), played greedily at each evaluation
         pick = np.random.default_rng(self.recipe.eval.seed).permutation(len(self.pool))[: cfg.eval_pool_tasks]
         self.pool_eval = [self.pool[i] for i in sorted(pick.tolist())]
-        held = self.recipe.sandbox.holdout_combos()
-        self.compositional = {t.id for t in self.test if held and target_combos(t) & held}
+        # the compositional split of the SFT benchmark: test tasks whose targets were never targets in training
+        self.compositional = {t.id for t in compositional_split(splits["train"], self.test)}
         self.metrics_path = self.out / "metrics.jsonl"
         if acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -426,9 +427,9 @@ class GiGPOTrainer:
 
     def evaluate(self, it: int) -> dict | None:
         """Greedy play of the current policy on the test split (main process; the others wait): metrics per
-        difficulty and "all"; with held-out combinations in the recipe also "seen" and "compositional" (test
-        tasks whose instruction targets a held-out combination); with `rl.eval_pool_tasks` also "pool" (the fixed
-        sample of the RL pool, played the same way)."""
+        difficulty and "all"; when some test tasks target only combinations never targeted in training, also
+        "compositional" (those, as `sft.metrics.compositional_split` picks them) and "seen" (the others); with
+        `rl.eval_pool_tasks` also "pool" (the fixed sample of the RL pool, played the same way)."""
         from agent.clients import TransformersClient
         from evaluation.sandbox_eval import run_model_batched
         from sandbox.metrics import aggregate, split_metrics

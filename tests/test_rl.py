@@ -301,26 +301,31 @@ def test_the_starting_checkpoint_is_evaluated_once_per_test_split(ci_setup, tmp_
     assert a["final_eval"]["iteration"] == 1 and len(list(init.glob("rl_initial_eval_*.json"))) == 1
 
 
-def test_evaluation_splits_seen_and_held_out_combinations_and_plays_a_fixed_pool_sample(ci_setup, tmp_path):
+def test_evaluation_splits_seen_and_compositional_tasks_and_plays_a_fixed_pool_sample(ci_setup, tmp_path):
     from pipeline.recipe import SandboxSection
     from pipeline.stages import build_tasks
     from rl.trainer import GiGPOTrainer
-    from sandbox.builder import target_combos
+    from sft.metrics import compositional_split
     recipe, final = ci_setup
-    test = build_tasks(recipe, show_progress=False)[0]["test"][:8]
-    combo = next(c for t in test for c in sorted(target_combos(t), key=str) if c[1])  # (type, colour)
-    held = recipe.model_copy(update={"sandbox": SandboxSection.model_validate(
-        {**recipe.sandbox.model_dump(), "compositional_holdout": [f"{combo[1]} {combo[0]}"]})})
-    n_held = sum(1 for t in build_tasks(held, show_progress=False)[0]["test"][:8] if combo in target_combos(t))
-    r = _small_rl(held, iterations=1, eval_every=1, eval_tasks=8, eval_pool_tasks=3, save_every=1)
+    # the rooms scene alone, 10 train and 4 test instructions: 2 of the 8 test tasks target a (type, colour)
+    # never targeted in training (the SFT benchmark's compositional split)
+    rooms = recipe.model_copy(update={"sandbox": SandboxSection.model_validate(
+        {**recipe.sandbox.model_dump(), "scenes": ["rooms"], "train_instructions_per_scene": 10,
+         "test_instructions_per_scene": 4})})
+    splits = build_tasks(rooms, show_progress=False)[0]
+    comp = {t.id for t in compositional_split(splits["train"], splits["test"])}
+    assert len(splits["test"]) == 8 and 1 <= len(comp) < 8
+    r = _small_rl(rooms, iterations=1, eval_every=1, eval_tasks=None, eval_pool_tasks=3, save_every=1)
     a = GiGPOTrainer(r, tmp_path / "a", final, show_progress=False)
     s = a.train()
-    assert len(a.pool_eval) == 3 and len(a.compositional) == n_held >= 1
+    assert len(a.pool_eval) == 3 and a.compositional == comp
     for ev in (s["initial_eval"], s["final_eval"]):
-        assert ev["pool"]["episodes"] == 3
-        assert ev["compositional"]["episodes"] == n_held and ev["seen"]["episodes"] == 8 - n_held
-    b = GiGPOTrainer(_small_rl(held, iterations=1, eval_every=0, eval_pool_tasks=3), tmp_path / "b", final,
-                     seed=1, show_progress=False)
+        assert ev["pool"]["episodes"] == 3 and ev["all"]["episodes"] == 8
+        assert ev["compositional"]["episodes"] == len(comp) and ev["seen"]["episodes"] == 8 - len(comp)
+        assert ev["seen"]["tsr"] * (8 - len(comp)) + ev["compositional"]["tsr"] * len(comp) == \
+            pytest.approx(ev["all"]["tsr"] * 8, abs=1e-3)
+    b = GiGPOTrainer(_small_rl(rooms, iterations=1, eval_pool_tasks=3), tmp_path / "b", final, seed=1,
+                     show_progress=False)
     b.setup()
     assert [t.id for t in b.pool_eval] == [t.id for t in a.pool_eval]  # one sample for every seed
     plain = GiGPOTrainer(_small_rl(recipe, iterations=1), tmp_path / "c", final, show_progress=False)
