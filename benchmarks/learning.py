@@ -24,8 +24,8 @@ final policy per seed and averaged, the gains, how far apart the seeds are (`see
 standard error of their mean; GiGPO minus GRPO paired by seed), the wall time of the main job's parts (distill +
 SFT + one GiGPO run) and the peak memory of this process. Where the test TSR comes from: `test_tsr_by_combination`
 (`compositional`: the test tasks whose targets were never targets in training, as in the SFT stage; `seen`: the
-others) and, with `rl.eval_pool_tasks`,
-`rl_pool_tsr` (the same greedy play on a fixed sample of the RL pool, the distribution RL practises on).
+others) and, with `rl.eval_pool_tasks`, `rl_pool_tsr` (the same greedy play on a fixed sample of the RL pool, the
+distribution RL practises on).
 """
 
 from __future__ import annotations
