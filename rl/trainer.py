@@ -442,19 +442,20 @@ class GiGPOTrainer:
             model = self.acc.unwrap_model(self.model)
             client = TransformersClient(model, self.tok, max_new_tokens=self.cfg.max_new_tokens,
                                         batch_size=self.cfg.eval_batch, device=str(self.acc.device))
-            seeds = [self.recipe.eval.seed * 100_003 + i for i in range(len(self.test))]
-            trajs = run_model_batched(self.test, client, seeds, batch_size=self.cfg.eval_batch,
-                                      memory_size=self.cfg.memory_size, name="student",
-                                      human_factory=self.human_factory)
+
+            def play(tasks: list, first_seed: int) -> list:
+                seeds = [self.recipe.eval.seed * 100_003 + first_seed + i for i in range(len(tasks))]
+                return run_model_batched(tasks, client, seeds, batch_size=self.cfg.eval_batch,
+                                         memory_size=self.cfg.memory_size, name="student",
+                                         human_factory=self.human_factory)
+
+            trajs = play(self.test, 0)
             m = split_metrics(trajs)
             if self.compositional:
                 m["seen"] = aggregate([t for t in trajs if t.task_id not in self.compositional])
                 m["compositional"] = aggregate([t for t in trajs if t.task_id in self.compositional])
             if self.pool_eval:
-                seeds = [self.recipe.eval.seed * 100_003 + 50_000 + i for i in range(len(self.pool_eval))]
-                m["pool"] = aggregate(run_model_batched(self.pool_eval, client, seeds, batch_size=self.cfg.eval_batch,
-                                                        memory_size=self.cfg.memory_size, name="student",
-                                                        human_factory=self.human_factory))
+                m["pool"] = aggregate(play(self.pool_eval, 50_000))
             model.train()
             out = {"kind": "eval", "iteration": it, "split": "test", "seconds": round(time.perf_counter() - t0, 1),
                    **{d: {k: m[d][k] for k in ("episodes", "tsr", "gcr", "mean_steps", "invalid_action_rate")}
