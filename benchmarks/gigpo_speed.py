@@ -150,6 +150,31 @@ def loop_advantages(group_ids, traj_ids, step_idx, anchor_keys, step_rewards, ep
     return np.array(out)
 
 
+def numpy_pass_costs(rows: int, rounds: int, seed: int) -> dict[str, float]:
+    """Median seconds of one numpy pass over `rows` rows of each kind the vectorized code uses, codes spread over
+    rows / 8 groups (about a step group's spread)."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, max(rows // 8, 1), rows)
+    x, out = rng.random(rows), np.empty(rows)
+    table = np.zeros(max(rows // 8, 1))
+    passes = {
+        "bincount_weighted": lambda: np.bincount(codes, weights=x, minlength=table.size),
+        "scatter": lambda: table.__setitem__(codes, x),
+        "gather": lambda: table.take(codes, out=out),
+        "elementwise_multiply": lambda: np.multiply(x, x, out=out),
+    }
+    costs = {}
+    for name, fn in passes.items():
+        fn()
+        times = []
+        for _ in range(rounds * 20):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        costs[name] = statistics.median(times)
+    return costs
+
+
 def size_summary(stats: dict) -> dict:
     """Step-group sizes in power-of-two buckets, plus count, mean, median and max."""
     dist = stats["size_distribution"]
@@ -196,6 +221,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 vec_out[form] = compute_gigpo_advantages(**batch)
                 vec_times[form].append(time.perf_counter() - t0)
+    pass_costs = numpy_pass_costs(int(forms[HEADLINE]["group_ids"].size), args.rounds, args.seed)
     key_list = forms["hex str"]["anchor_keys"].tolist()
     coding = []
     for _ in range(args.rounds):
@@ -230,6 +256,8 @@ def main() -> None:
         "max_abs_diff_between_forms": same_across_forms,
         "trainer_key_coding_s_median": round(statistics.median(coding), 6),
         "step_groups": size_summary(stats),
+        "numpy_pass_costs_s": {k: round(v, 7) for k, v in pass_costs.items()},
+        "passes_within_100x": {k: round(head["loop_s_median"] / 100 / v, 1) for k, v in pass_costs.items()},
         "acceptance": {"speedup_ge_100": bool(head["speedup_loop_over_vectorized"] >= 100),
                        "max_abs_diff_le_1e-6": bool(head["max_abs_diff"] <= 1e-6)},
     }, indent=2))
