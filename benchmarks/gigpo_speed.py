@@ -160,7 +160,7 @@ def numpy_pass_costs(rows: int, rounds: int, seed: int) -> dict[str, float]:
     passes = {
         "bincount_weighted": lambda: np.bincount(codes, weights=x, minlength=table.size),
         "scatter": lambda: table.__setitem__(codes, x),
-        "gather": lambda: table.take(codes, out=out),
+        "gather": lambda: table.take(codes, out=out, mode="wrap"),  # as rl/gigpo.py gathers (no buffered copy)
         "elementwise_multiply": lambda: np.multiply(x, x, out=out),
     }
     costs = {}
