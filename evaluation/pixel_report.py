@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -11,14 +10,18 @@ from agent.trajectory import atomic_target
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion k/n (95% by default)."""
+    """Wilson score interval of a binomial proportion k/n (95% by default), by statsmodels' `proportion_confint`;
+    (0, 1) when there are no trials. `z` is the normal quantile, passed to statsmodels as alpha = 2·P(Z > z)."""
     if n == 0:
         return (0.0, 1.0)
-    p = k / n
-    den = 1 + z * z / n
-    mid = (p + z * z / (2 * n)) / den
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return (max(0.0, mid - half), min(1.0, mid + half))
+    if not 0 <= k <= n:
+        raise ValueError(f"wilson needs 0 <= k <= n, got k={k}, n={n}")
+    # imported here: statsmodels and scipy take about a second to import, which runs that never report should not pay
+    from scipy.stats import norm
+    from statsmodels.stats.proportion import proportion_confint
+    lo, hi = proportion_confint(k, n, alpha=2 * norm.sf(z), method="wilson")
+    # at k = 0 (k = n) the bound is exactly 0 (1); z from alpha is z only to an ulp, which can leave 3e-17 there
+    return (0.0 if k == 0 else float(lo), 1.0 if k == n else float(hi))
 
 
 def write_strip(frames: list[np.ndarray], path: Path, n: int = 8) -> None:

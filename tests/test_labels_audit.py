@@ -8,8 +8,10 @@ import json
 import math
 import xml.etree.ElementTree as ET
 
+import numpy as np
 import pytest
 
+from evaluation.pixel_report import wilson
 from reward_engine.audit import (agreement, audit_report, bootstrap_kappa, cohen_kappa, confusion, mcnemar,
                                  per_skill_table, write_audit)
 from reward_engine.labels import (JUDGE_AGENT, LabelRecord, case_id, export_for_labelling, read_labels,
@@ -91,6 +93,198 @@ def test_per_skill_table():
     assert table["(malformed)"] == {"n": 1, "agreement": 1.0, "kappa": 1.0}
     assert table["report"]["agreement"] == 0.0
 
+
+
+# ---- the libraries give the figures of the hand-written formulas they replaced ---------------------------------
+# The references below are the project's own formulas as they were before sklearn, scipy and statsmodels took
+# over (copied, not imported): on the shipped oracle labels every library-backed figure must match them to 1e-9.
+
+TOL = 1e-9
+
+
+def _ref_kappa_from_counts(counts):
+    counts = np.asarray(counts).astype(np.float64)
+    n = counts.sum(axis=(-2, -1))
+    p_o = np.trace(counts, axis1=-2, axis2=-1) / n
+    p_e = (counts.sum(axis=-1) * counts.sum(axis=-2)).sum(axis=-1) / n**2
+    degenerate = p_e >= 1.0 - 1e-12
+    with np.errstate(divide="ignore", invalid="ignore"):
+        kappa = (p_o - p_e) / (1.0 - p_e)
+    return np.where(degenerate, np.where(p_o >= 1.0 - 1e-12, 1.0, 0.0), kappa)
+
+
+def _ref_cells(y_true, y_pred):
+    index = {lab: i for i, lab in enumerate(LABELS)}
+    return np.array([index[a] * len(LABELS) + index[b] for a, b in zip(y_true, y_pred, strict=True)])
+
+
+def _ref_kappa(y_true, y_pred):
+    k = len(LABELS)
+    return float(_ref_kappa_from_counts(np.bincount(_ref_cells(y_true, y_pred), minlength=k * k).reshape(k, k)))
+
+
+def _ref_bootstrap(y_true, y_pred, n=1000, seed=0, alpha=0.05):
+    k, m = len(LABELS), len(y_true)
+    cells = _ref_cells(y_true, y_pred)
+    rng = np.random.default_rng(seed)
+    kappas = np.empty(n)
+    chunk = max(1, 2_000_000 // m)
+    for start in range(0, n, chunk):
+        b = min(chunk, n - start)
+        idx = rng.integers(0, m, size=(b, m))
+        flat = cells[idx] + (np.arange(b) * k * k)[:, None]
+        counts = np.bincount(flat.ravel(), minlength=b * k * k).reshape(b, k, k)
+        kappas[start:start + b] = _ref_kappa_from_counts(counts)
+    lo, hi = np.quantile(kappas, [alpha / 2, 1 - alpha / 2])
+    return float(lo), float(hi)
+
+
+def _ref_mcnemar(correct_a, correct_b, exact_max=5000):
+    """(b01, b10, statistic, p): the exact binomial test up to exact_max discordant pairs, else chi-square."""
+    b01 = sum(bool(a) and not bool(b) for a, b in zip(correct_a, correct_b, strict=True))
+    b10 = sum(bool(b) and not bool(a) for a, b in zip(correct_a, correct_b, strict=True))
+    m = b01 + b10
+    if m <= exact_max:
+        tail = sum(math.comb(m, i) for i in range(min(b01, b10) + 1))
+        return b01, b10, min(b01, b10), min(1.0, 2 * tail / 2**m)
+    chi2 = (abs(b01 - b10) - 1) ** 2 / m
+    return b01, b10, chi2, math.erfc(math.sqrt(chi2 / 2))
+
+
+def _ref_wilson(k, n, z=1.96):
+    if n == 0:
+        return (0.0, 1.0)
+    p = k / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return (max(0.0, mid - half), min(1.0, mid + half))
+
+
+@pytest.fixture(scope="module")
+def shipped_judged():
+    """The shipped oracle labels and the rule judge's verdicts under the default and the draft prompt."""
+    from reward_engine.judge import RewardEngine, RuleBackend
+    from reward_engine.labels import trajectory_key
+    from reward_engine.oracle import read_oracle_set
+    from reward_engine.prompt import default_prompt, draft_prompt
+    trajs, records = read_oracle_set()
+
+    def judged(prompt):
+        eng = RewardEngine(prompt, RuleBackend())
+        return {case_id(trajectory_key(tr), v.index): {"label": v.label, "prompt_version": prompt.version}
+                for tr in trajs for v in eng.score(tr).turns}
+    return records, judged(default_prompt()), judged(draft_prompt())
+
+
+def test_library_statistics_match_the_formulas_they_replaced_on_the_shipped_labels(shipped_judged):
+    records, ja, jb = shipped_judged
+    rep = audit_report(records, ja, jb, n_boot=1000, seed=0)
+    y = [r.label for r in records]
+    ya, yb = [ja[r.case_id]["label"] for r in records], [jb[r.case_id]["label"] for r in records]
+    assert rep["n"] == rep["compare"]["n"] == len(y) > 2000 and rep["missing"] == rep["judge_errors"] == 0
+    worst = dict.fromkeys(("kappa", "ci", "mcnemar", "wilson"), 0.0)
+
+    def close(name, got, want):
+        assert got == pytest.approx(want, abs=TOL, rel=0), name
+        worst[name] = max(worst[name], abs(got - want))
+
+    # kappa and its bootstrap interval: the report's headline and both compared versions, each skill, subsets
+    close("kappa", rep["kappa"], _ref_kappa(y, ya))
+    close("kappa", rep["compare"]["b"]["kappa"], _ref_kappa(y, yb))
+    for got, want in zip(rep["kappa_ci"], _ref_bootstrap(y, ya), strict=True):
+        close("ci", got, want)
+    for got, want in zip(rep["compare"]["b"]["kappa_ci"], _ref_bootstrap(y, yb), strict=True):
+        close("ci", got, want)
+    skills = [r.skill for r in records]
+    groups = {s: [i for i, v in enumerate(skills) if v == s] for s in set(skills)}
+    rng = np.random.default_rng(0)
+    subsets = [*groups.values(), *(sorted(rng.choice(len(y), size=int(rng.integers(2, 300)), replace=False))
+                                   for _ in range(6))]
+    for idx in subsets:
+        t, a, b = [y[i] for i in idx], [ya[i] for i in idx], [yb[i] for i in idx]
+        for p in (a, b):
+            close("kappa", cohen_kappa(t, p), _ref_kappa(t, p))
+        for seed, n, alpha in ((0, 1000, 0.05), (3, 401, 0.01), (7, 777, 0.1)):
+            for got, want in zip(bootstrap_kappa(t, a, n=n, seed=seed, alpha=alpha),
+                                 _ref_bootstrap(t, a, n=n, seed=seed, alpha=alpha), strict=True):
+                close("ci", got, want)
+
+    # McNemar: the report's test, per skill (exact) and, tiled past EXACT_MAX discordant pairs, chi-square
+    ca, cb = [t == p for t, p in zip(y, ya, strict=True)], [t == p for t, p in zip(y, yb, strict=True)]
+    cases = [(ca, cb), *(([ca[i] for i in idx], [cb[i] for i in idx]) for idx in groups.values()),
+             (cb * 4, (cb[1:] + cb[:1]) * 4), (ca * 60, (ca[7:] + ca[:7]) * 60)]
+    tests = set()
+    for i, (a, b) in enumerate(cases):
+        res = rep["compare"]["mcnemar"] if i == 0 else mcnemar(a, b)
+        b01, b10, stat, p = _ref_mcnemar(a, b)
+        assert (res["b01"], res["b10"]) == (b01, b10)
+        close("mcnemar", res["statistic"], stat)
+        close("mcnemar", res["p_value"], p)
+        tests.add(res["test"])
+    assert tests == {"exact binomial", "chi-square, continuity corrected"}
+    assert any(1e-6 < mcnemar(a, b)["p_value"] < 1 for a, b in cases)    # not only underflowed or capped p-values
+
+    # Wilson: agreement as a proportion, overall and per skill, for both prompts; then every k of small n
+    for correct in (ca, cb):
+        for idx in (range(len(y)), *groups.values()):
+            k, n = sum(correct[i] for i in idx), len(idx)
+            for got, want in zip(wilson(k, n), _ref_wilson(k, n), strict=True):
+                close("wilson", got, want)
+    for n in range(41):
+        for k in range(n + 1):
+            for z in (1.0, 1.96, 2.5758):
+                for got, want in zip(wilson(k, n, z), _ref_wilson(k, n, z), strict=True):
+                    close("wilson", got, want)
+    print("max abs difference from the replaced formulas:", worst)
+
+
+def test_statistics_come_from_the_libraries(monkeypatch):
+    import scipy.stats
+    import sklearn.metrics
+    import statsmodels.stats.contingency_tables
+    import statsmodels.stats.proportion
+    calls = []
+
+    def spy(module, name):
+        real = getattr(module, name)
+
+        def wrapped(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, name, wrapped)
+
+    spy(sklearn.metrics, "cohen_kappa_score")
+    spy(scipy.stats, "bootstrap")
+    spy(statsmodels.stats.contingency_tables, "mcnemar")
+    spy(statsmodels.stats.proportion, "proportion_confint")
+    t, p = [U, U, R, R, M], [U, R, R, R, M]
+    cohen_kappa(t, p)
+    bootstrap_kappa(t, p, n=20)
+    mcnemar([True, False, True], [False, False, True])
+    mcnemar([True] * 3000 + [False] * 3200, [False] * 3000 + [True] * 3200)
+    wilson(3, 10)
+    assert calls == ["cohen_kappa_score", "bootstrap", "mcnemar", "mcnemar", "proportion_confint"]
+
+
+def test_statistics_bad_input_stays_clear():
+    with pytest.raises(ValueError, match="no pairs to compare"):
+        cohen_kappa([], [])
+    with pytest.raises(ValueError, match="no pairs to compare"):
+        bootstrap_kappa([], [])
+    with pytest.raises(ValueError, match="unknown label 'great'"):
+        bootstrap_kappa([U, "great"], [U, U])
+    with pytest.raises(ValueError, match="n >= 1"):
+        bootstrap_kappa([U, R], [U, R], n=0)
+    with pytest.raises(ValueError, match="differ in length"):
+        mcnemar([True], [True, False])
+    assert mcnemar([], [])["p_value"] == 1.0
+    for t, p in (([U], [R]), ([U], [U])):                # one pair: every resample is that pair
+        assert bootstrap_kappa(t, p) == _ref_bootstrap(t, p) == (cohen_kappa(t, p), cohen_kappa(t, p))
+        assert cohen_kappa(t, p) == _ref_kappa(t, p)
+    assert wilson(0, 0) == (0.0, 1.0) and wilson(0, 7)[0] == 0.0 and wilson(7, 7)[1] == 1.0
+    with pytest.raises(ValueError, match="0 <= k <= n"):
+        wilson(11, 10)
 
 # ---- the audit ------------------------------------------------------------------------------------------------
 
