@@ -4,7 +4,6 @@
   with bounded, counted retries of its own and a concurrency limit for `chat_many`.
 * `TransformersClient`: a local `transformers` causal LM (a folder written by `save_pretrained`, or model
   objects), prompts rendered by the tokenizer's chat template, batched generation with left padding.
-* `ScriptedExpertClient`: the embedded expert teacher (belief only) bound to one `SandboxEnv`.
 
 Every reply is a `ChatReply`; its action is read by the shared parser (`ChatReply.action()`).
 """
@@ -20,7 +19,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 from urllib.parse import urlparse
 
 import openai
@@ -28,9 +27,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agent.models import ChatReply, ModelError
 from agent.parser import render_tool_call
-
-if TYPE_CHECKING:  # pragma: no cover
-    from sandbox.gym_env import SandboxEnv
 
 log = logging.getLogger(__name__)
 
@@ -143,20 +139,23 @@ class OpenAIClient:
         return self._request(params)
 
     def chat_many(self, batch: list[list[dict]], *, tools: list[dict] | None = None,
-                  temperature: float | None = None, seed: int | None = None, max_tokens: int | None = None,
-                  json_mode: bool = False) -> list[ChatReply | ModelError]:
+                  temperature: float | None = None, seed: int | list[int] | None = None,
+                  max_tokens: int | None = None, json_mode: bool = False) -> list[ChatReply | ModelError]:
         if not batch:
             return []
+        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(batch)
+        if len(seeds) != len(batch):
+            raise ValueError(f"chat_many: {len(seeds)} seeds for {len(batch)} conversations")
 
-        def one(messages: list[dict]) -> ChatReply | ModelError:
+        def one(messages: list[dict], one_seed: int | None) -> ChatReply | ModelError:
             try:
-                return self.chat(messages, tools=tools, temperature=temperature, seed=seed, max_tokens=max_tokens,
-                                 json_mode=json_mode)
+                return self.chat(messages, tools=tools, temperature=temperature, seed=one_seed,
+                                 max_tokens=max_tokens, json_mode=json_mode)
             except ModelError as e:
                 return e
 
         with ThreadPoolExecutor(max_workers=min(self.config.max_concurrency, len(batch))) as pool:
-            futures = [pool.submit(one, m) for m in batch]
+            futures = [pool.submit(one, m, s) for m, s in zip(batch, seeds, strict=True)]
             return [f.result() for f in futures]
 
     # ------------------------------------------------------------------ one request, with retries
@@ -334,13 +333,15 @@ class TransformersClient:
         return self._generate([messages], tools, temperature, seed, max_tokens)[0]
 
     def chat_many(self, batch: list[list[dict]], *, tools: list[dict] | None = None,
-                  temperature: float | None = None, seed: int | None = None, max_tokens: int | None = None,
-                  json_mode: bool = False) -> list[ChatReply | ModelError]:
+                  temperature: float | None = None, seed: int | list[int] | None = None,
+                  max_tokens: int | None = None, json_mode: bool = False) -> list[ChatReply | ModelError]:
+        """Batches of `batch_size` conversations, one `generate` call each: sampling draws a whole batch from one
+        generator, seeded by the batch's first seed (a list), or by `seed + batch number` (an int)."""
         out: list[ChatReply | ModelError] = []
         base = self.seed if seed is None else seed
         for i in range(0, len(batch), self.batch_size):
-            out += self._generate(batch[i: i + self.batch_size], tools, temperature, base + i // self.batch_size,
-                                  max_tokens)
+            one = base[i] if isinstance(base, (list, tuple)) else base + i // self.batch_size
+            out += self._generate(batch[i: i + self.batch_size], tools, temperature, one, max_tokens)
         return out
 
     def _generate(self, batch: list[list[dict]], tools, temperature, seed, max_tokens) -> list[ChatReply]:
@@ -375,63 +376,6 @@ class TransformersClient:
             replies.append(ChatReply(text=text, usage={"prompt_tokens": len(e), "completion_tokens": n_new},
                                      model=self.name))
         return replies
-
-
-# ----------------------------------------------------------------------------- the scripted expert
-
-
-class ScriptedExpertClient:
-    """The embedded expert teacher (`sandbox.expert.ExpertPlanner`, privileged=False) as a ChatModel.
-
-    It is bound to one `SandboxEnv` and IGNORES the message content: the planner reads the agent's belief
-    state directly from the env (what the prompt shows, never the true state). Each `chat()` first tells the
-    planner the result of the previous action (`env.last_result`), then returns its thought and call as
-    `thought + "\\n" + <tool_call>...</tool_call>`. A new episode (a new controller, or `env.reset()`, which puts
-    the controller back at step 0 with a fresh world) restarts the planner; `reset()` does so explicitly.
-    Asking twice without stepping the env returns the same reply, and `chat_many` answers each conversation
-    with the reply for the env's current step (there is one env).
-    """
-
-    name = "expert"
-
-    def __init__(self, env: "SandboxEnv"):
-        self.env = env
-        self.planner = None
-        self._world = None      # the episode's World object: env.reset() always makes a new one
-        self._last_call: dict | None = None
-        self._last_reply: ChatReply | None = None
-        self._replied_at = -1   # env.ctrl.steps when the last reply was made
-
-    def reset(self) -> None:
-        self.planner, self._world, self._last_call, self._last_reply, self._replied_at = None, None, None, None, -1
-
-    def chat(self, messages: list[dict], *, tools: list[dict] | None = None, temperature: float | None = None,
-             seed: int | None = None, max_tokens: int | None = None, json_mode: bool = False) -> ChatReply:
-        from sandbox.expert import ExpertPlanner
-
-        ctrl = self.env.ctrl
-        if ctrl is None:
-            raise RuntimeError("ScriptedExpertClient: the env has no episode; call env.reset(options={'task': ...})")
-        if self.planner is None or self.planner.ctrl is not ctrl or self._world is not ctrl.w:
-            self.reset()  # a new episode (its controller is at step 0 with a fresh world)
-            self.planner, self._world = ExpertPlanner(ctrl, privileged=False), ctrl.w
-        elif ctrl.steps == self._replied_at:
-            return self._last_reply  # asked again before the env stepped
-        elif self._last_call is not None:
-            result = self.env.last_result
-            if result is None:
-                raise RuntimeError("ScriptedExpertClient: the env has stepped but holds no last_result")
-            self.planner.observe(self._last_call, result)
-        thought, call = self.planner.act()
-        self._last_call, self._replied_at = call, ctrl.steps
-        self._last_reply = ChatReply(text=thought + "\n" + render_tool_call(call["name"], call["arguments"]),
-                                     model=self.name)
-        return self._last_reply
-
-    def chat_many(self, batch: list[list[dict]], *, tools: list[dict] | None = None,
-                  temperature: float | None = None, seed: int | None = None, max_tokens: int | None = None,
-                  json_mode: bool = False) -> list[ChatReply | ModelError]:
-        return [self.chat(m) for m in batch]
 
 
 def tool_call_text(reply: ChatReply) -> str:
@@ -478,7 +422,7 @@ class ClientSpec(BaseModel):
 
 
 def make_client(spec: ClientSpec):
-    """The ChatModel a spec describes (the scripted expert is bound to an env, so it is built by its caller)."""
+    """The ChatModel a spec describes."""
     if spec.kind == "openai":
         return OpenAIClient(spec.model, base_url=spec.base_url, api_key_env=spec.api_key_env, timeout=spec.timeout,
                             max_retries=spec.max_retries, max_concurrency=spec.max_concurrency,

@@ -104,7 +104,8 @@ class LLMHumanAgent(HumanAgent):
         style = persona.style if persona else "friendly"
         ids, names, answer = need
         keep = [*ids, *names] + ([answer] if answer else [])
-        rules = [f"You are {who.name}, the {who.role}, in a {self.compiled.task.scene} scene. You speak in a {style} way.",
+        scene = self.compiled.task.scene
+        rules = [f"You are {who.name}, the {who.role}, in a {scene} scene. You speak in a {style} way.",
                  "Say the line you are given in your own words, as you would to someone who asked you: one or two "
                  "short sentences with the same meaning. Add no new facts, places or promises.",
                  "Reply with the line only, without quotes."]

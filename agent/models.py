@@ -53,8 +53,10 @@ class ChatModel(Protocol):
         ...
 
     def chat_many(self, batch: list[list[dict]], *, tools: list[dict] | None = None,
-                  temperature: float | None = None, seed: int | None = None, max_tokens: int | None = None,
-                  json_mode: bool = False) -> list[ChatReply | ModelError]:
+                  temperature: float | None = None, seed: int | list[int] | None = None,
+                  max_tokens: int | None = None, json_mode: bool = False) -> list[ChatReply | ModelError]:
         """Many completions (concurrently where the backend allows); order kept; failures returned, not
-        raised, so one bad request does not lose the others."""
+        raised, so one bad request does not lose the others. `seed`: one for the batch, or one per
+        conversation (a backend that samples a whole batch from one generator uses the first seed of each
+        batch it generates)."""
         ...

@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from sandbox.skills import SKILLS
+
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 _THINK = re.compile(r"<think>(.*?)</think>", re.S)
 
@@ -72,7 +74,6 @@ def parse_text(text: str) -> ToolCall | ParseError:
 def parse_compact(body: str, reasoning: str = "") -> ToolCall | ParseError:
     """The compact form a tiny student's chat template renders: `navigate kitchen`,
     `ask_for_help alice|unlock|door_1|the door is locked` (arguments in the skill's parameter order)."""
-    from sandbox.skills import SKILLS
     name, _, rest = body.partition(" ")
     skill = SKILLS.get(name)
     if skill is None:
@@ -87,7 +88,6 @@ def parse_compact(body: str, reasoning: str = "") -> ToolCall | ParseError:
 
 def render_compact(name: str, arguments: dict) -> str:
     """Inverse of `parse_compact` for calls whose arguments follow the skill's parameters."""
-    from sandbox.skills import SKILLS
     skill = SKILLS.get(name)
     if skill is None:
         return name

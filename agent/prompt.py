@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from sandbox.skills import id_words
+
 SYSTEM_PROMPT = (
     "You are an embodied assistant. Each turn think briefly, then call one skill as "
     "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>, using only ids you have seen. "
@@ -120,7 +122,6 @@ def task_objects(instruction: str, known: dict) -> str:
     task is about, looked up for it. A thing it names that matches nothing known (no object, place, landmark,
     door or person) is listed as "not seen", in its place: "purple key not seen; yellow_box at room_1_0" says the
     key is still to be found, and that the box is not the key."""
-    from sandbox.skills import id_words
     said = _words(instruction)
     entries, names = [], []
     for oid, name, loc in known["objects"]:

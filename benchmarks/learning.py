@@ -71,8 +71,9 @@ def main() -> None:
     from evaluation.sandbox_eval import evaluate
     from pipeline.recipe import load_recipe
     from pipeline.stages import build_tasks, run_distill_stage, run_sft_stage
-    from sandbox.metrics import split_metrics
-    from sft.metrics import compositional_split, next_action_exact_match
+    from agent.metrics import split_metrics
+    from sandbox.builder import compositional_split
+    from sft.metrics import next_action_exact_match
     from sft.train import load_sft_dataset
 
     recipe = load_recipe(args.recipe)
@@ -96,7 +97,7 @@ def main() -> None:
     client = TransformersClient(final, max_new_tokens=96, batch_size=args.batch)
     t1 = time.time()
     test = splits["test"]
-    # the expert as the teacher plays (ModelPolicy over the scripted expert): each turn keeps its step prompt
+    # the expert as the teacher plays (answering as a model would): each turn keeps its step prompt
     expert_trajs = run_teacher(test, "expert", out / "test_expert", recipe_seed=recipe.eval.seed, restart=True,
                                show_progress=False).trajectories
     m_exp = split_metrics(expert_trajs)
@@ -176,9 +177,9 @@ def rl_stage(args) -> None:
         raise SystemExit(f"--jobs must be >= 1, got {args.jobs}")
     jobs = min(args.jobs, len(plan))
     if jobs > 1 and recipe.rl.threads is None:  # share the cores: each run's trainer would take them all
-        from rl.config import RLSection
+        from rl.config import GiGPOConfig
         threads = max(1, _cores() // jobs)
-        recipe = recipe.model_copy(update={"rl": RLSection.model_validate({**recipe.rl.model_dump(),
+        recipe = recipe.model_copy(update={"rl": GiGPOConfig.model_validate({**recipe.rl.model_dump(),
                                                                           "threads": threads})})
     report["jobs"], report["torch_threads_per_run"] = jobs, recipe.rl.threads or _cores()
     call = [(recipe, out / "rl" / f"{alg}-seed{seed}", init, alg, seed, args.iterations) for seed, alg in plan]
@@ -250,11 +251,11 @@ def rl_stage(args) -> None:
 def _rl_run(job: tuple) -> dict:
     """One RL run of the benchmark (resumed when its folder holds checkpoints); a top-level function, so that
     --jobs can run it in a child process."""
-    from rl.trainer import GiGPOTrainer
+    from pipeline.stages import make_rl_trainer
     recipe, run_dir, init, alg, seed, iterations = job
     t1 = time.time()
-    s = GiGPOTrainer(recipe, run_dir, init, algorithm=alg, seed=seed, iterations=iterations, resume=True,
-                     show_progress=False).train()
+    s = make_rl_trainer(recipe, run_dir, init, algorithm=alg, seed=seed, iterations=iterations, resume=True,
+                        show_progress=False).train()
     return {"seed": seed, "seconds": round(time.time() - t1, 1), "rollout_episodes": s["rollout_episodes"],
             "initial": _tsr_gcr(s["initial_eval"]), "final": _tsr_gcr(s["final_eval"]),
             "train_success_first": s["train_success_first"], "train_success_last": s["train_success_last"],

@@ -34,7 +34,8 @@ from typing import Any
 import gymnasium as gym
 
 import sandbox  # noqa: F401  (registers embodistill/Sandbox-v0)
-from evaluation.policies import ExpertPolicy, random_call
+from agent.parser import ToolCall, parse_action
+from sandbox.agents import ExpertAgent, random_call
 from pipeline.recipe import load_recipe
 from pipeline.stages import build_tasks
 from sandbox.controller import EnvController
@@ -197,8 +198,17 @@ def make_random_actions(tasks: list[TaskInstance], n: int, seed: int, malformed_
     return out
 
 
+def env_action(output) -> dict:
+    """What the episode loop passes the env for a model's output: the call the parser reads, or the parse error."""
+    if isinstance(output, dict) and "tool_calls" not in output:
+        return output  # a call as a structured action (the env validates it)
+    parsed = parse_action(output)
+    return parsed.as_dict() if isinstance(parsed, ToolCall) else {"parse_error": parsed.message}
+
+
 def time_random(env, tasks: list[TaskInstance], actions: list[list], seconds: float) -> dict:
-    """One episode per task in turn; each task's action list is consumed cyclically across its episodes."""
+    """One episode per task in turn; each task's action list is consumed cyclically across its episodes. Text
+    outputs are read by the shared parser inside the timed loop, as the episode loop reads them."""
     steps = episodes = 0
     reset_time = 0.0
     cursor = [0] * len(tasks)
@@ -212,7 +222,7 @@ def time_random(env, tasks: list[TaskInstance], actions: list[list], seconds: fl
             reset_time += perf() - tr
             acts, j, n = actions[i], cursor[i], len(actions[i])
             while True:
-                _, _, term, trunc, info = step(acts[j])
+                _, _, term, trunc, info = step(env_action(acts[j]))
                 j = j + 1 if j + 1 < n else 0
                 steps += 1
                 e = info["error"]
@@ -235,19 +245,18 @@ def time_random(env, tasks: list[TaskInstance], actions: list[list], seconds: fl
 
 
 def time_expert_end_to_end(env, tasks: list[TaskInstance], seconds: float) -> dict:
-    policy = ExpertPolicy()
     base = env.unwrapped
     steps = episodes = successes = 0
     t0 = perf()
     while True:
         for i, task in enumerate(tasks):
             obs, info = env.reset(seed=SEED, options={"task": task})
-            policy.reset(base, SEED + i)
+            expert = ExpertAgent(base, SEED + i)
             done = False
             while not done:
-                _, call = policy.act(base, obs)
+                _, call = expert.act(info)
                 obs, _, term, trunc, info = env.step(call)
-                policy.observe(call, info, obs)
+                expert.observe(call, info, obs)
                 steps += 1
                 done = term or trunc
             successes += bool(info["success"])

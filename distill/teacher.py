@@ -1,14 +1,14 @@
 """Teacher rollouts over the train tasks, resumable.
 
-Every episode runs through `evaluation.policies.ModelPolicy`, so each turn records the exact step prompt
-(`agent.prompt.build_step_messages`) and the raw output:
+Every episode runs through the one episode loop (`agent.episode.play`), so each turn records the exact step
+prompt (`agent.prompt.build_step_messages`) and the raw output:
 
-* the expert (embedded default): `ModelPolicy(ScriptedExpertClient(env), name="expert")`, one `SandboxEnv`
-  that the client is bound to, episodes one after another (its natural try-fail-recover behaviour: it acts on
-  the agent's belief only, so it searches, asks, fails and recovers);
-* any chat model through a `ClientSpec` (`agent.clients.make_client`): an OpenAI-compatible endpoint runs
-  `concurrency` episodes at once in a thread pool (one env and one policy per episode, one shared client);
-  a local transformers model runs them one after another.
+* the expert (embedded default): `sandbox.agents.ExpertAgent` answering as a model would (its thought, then the
+  `<tool_call>` markup), `EXPERT_BATCH` episodes in lockstep. It acts on the agent's belief only, so it
+  searches, asks, fails and recovers;
+* any chat model through a `ClientSpec` (`agent.clients.make_client`): an OpenAI-compatible endpoint plays
+  `concurrency` episodes in lockstep, their requests sent concurrently; a local transformers model plays one
+  episode at a time.
 
 Resume: each finished episode is appended as one line to `trajectories.partial.jsonl` (flushed and fsynced),
 next to a key file naming the inputs it was written for. A rerun reads it back (a torn last line from a
@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -29,8 +28,12 @@ from typing import Callable
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from agent.clients import ClientSpec
+from agent.clients import ClientSpec, make_client
+from agent.episode import play
+from agent.policies import ChatPolicy, ScriptedPolicy
 from agent.trajectory import Trajectory, write_json
+from sandbox.agents import ExpertAgent
+from sandbox.gym_env import SandboxEnv
 from sandbox.schema import TaskInstance
 
 PARTIAL = "trajectories.partial.jsonl"
@@ -42,7 +45,7 @@ class TeacherError(RuntimeError):
 
 
 def episode_seed(recipe_seed: int, index: int) -> int:
-    """The episode seed of the task at `index`, derived as `evaluation.sandbox_eval.evaluate` does."""
+    """The episode seed of the task at `index` (as `evaluation.sandbox_eval.episode_seeds` derives them)."""
     return recipe_seed * 100_003 + index
 
 
@@ -151,22 +154,15 @@ def _append(fh, traj: Trajectory) -> None:
 # ----------------------------------------------------------------------------- running episodes
 
 
-def _expert_episodes(todo: list[tuple[int, TaskInstance, int]], human_factory):
-    from agent.clients import ScriptedExpertClient
-    from evaluation.policies import ModelPolicy
-    from evaluation.sandbox_eval import run_episode
-    from sandbox.gym_env import SandboxEnv
-    env = SandboxEnv(human_factory=human_factory)
-    policy = ModelPolicy(ScriptedExpertClient(env), name="expert")
-    for i, task, seed in todo:
-        yield i, run_episode(env, task, policy, seed)
+EXPERT_BATCH = 64   # expert episodes in lockstep (the expert is fast; a batch only saves per-round overhead)
 
 
-def _one_model_episode(client, task: TaskInstance, seed: int, human_factory) -> Trajectory:
-    from evaluation.policies import ModelPolicy
-    from evaluation.sandbox_eval import run_episode
-    from sandbox.gym_env import SandboxEnv
-    return run_episode(SandboxEnv(human_factory=human_factory), task, ModelPolicy(client), seed)
+def teacher_policy(teacher: str | ClientSpec, client=None) -> tuple[object, int]:
+    """(the episode loop's policy, how many episodes it plays in lockstep)."""
+    if teacher == "expert":
+        return ScriptedPolicy(ExpertAgent, name="expert", as_text=True), EXPERT_BATCH
+    client = client if client is not None else make_client(teacher)
+    return ChatPolicy(client), 1 if teacher.kind == "transformers" else None
 
 
 def run_teacher(tasks: list[TaskInstance], teacher: str | ClientSpec, folder: str | Path, recipe_seed: int = 0,
@@ -213,30 +209,20 @@ def run_teacher(tasks: list[TaskInstance], teacher: str | ClientSpec, folder: st
         if progress:
             progress(1)
 
+    def finished(i: int, episode) -> None:
+        if episode.error is not None:
+            failures.append((todo[i][1].id, episode.error))
+        else:
+            save(episode.trajectory)
+
     try:
-        if teacher == "expert":
-            for _, traj in _expert_episodes(todo, human_factory):
-                save(traj)
-        elif todo:
-            from agent.clients import make_client
-            client = client if client is not None else make_client(teacher)
-            workers = concurrency if teacher.kind == "openai" else 1  # a local model: one episode at a time
-            pool = ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo))), thread_name_prefix="teacher")
-            try:
-                pending: dict[Future, TaskInstance] = {
-                    pool.submit(_one_model_episode, client, t, s, human_factory): t for _, t, s in todo}
-                while pending:
-                    finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                    for fut in sorted(finished, key=lambda f: ids.index(pending[f].id)):
-                        task = pending.pop(fut)
-                        err = fut.exception()
-                        if err is not None:
-                            failures.append((task.id, err))
-                            continue
-                        save(fut.result())
-            finally:  # on an interruption: drop what has not started; running episodes are not saved
-                pool.shutdown(wait=False, cancel_futures=True)
-            stats = dict(getattr(client, "stats", {}) or {})
+        if todo:
+            policy, batch = teacher_policy(teacher, client)
+            workers = batch or concurrency
+            play(lambda: SandboxEnv(human_factory=human_factory), policy, [({"task": t}, s) for _, t, s in todo],
+                 batch_size=workers, raise_errors=False, on_done=finished)
+            if isinstance(policy, ChatPolicy):
+                stats = dict(getattr(policy.client, "stats", {}) or {})
     finally:
         fh.close()
         bar.close()

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from agent.policies import decide
+
 QUERY_YELLOW = (255, 255, 0)
 
 
@@ -381,9 +383,8 @@ class BrowserModel:
                 {"role": "user", "content": user}]
 
     def act(self, frame: np.ndarray) -> tuple[dict | None, dict]:
-        from evaluation.policies import model_decision
         self.step += 1
-        reasoning, call, raw, _ = model_decision(self.client, self.messages(frame), self.seed, self.step,
+        reasoning, call, raw, _ = decide(self.client, self.messages(frame), self.seed, self.step,
                                                  tools=browser_tools())
         return (call if isinstance(call, dict) else None), {"raw": (raw or "")[:400], "reasoning": reasoning[:200]}
 

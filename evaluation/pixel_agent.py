@@ -16,9 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from agent.policies import decide
 from agent.prompt import StepMemory, build_step_messages
 from evaluation.gridworld import GridBelief, Outcome, SkillExecutor
 from evaluation.perception import DIR_VEC, SpriteDetector
+from sandbox.agents import random_call
 
 # ----------------------------------------------------------------------------- BabyAI missions
 
@@ -411,7 +413,6 @@ class PixelRandom:
         pass
 
     def act(self, b: GridBelief) -> tuple[str, dict]:
-        from evaluation.policies import random_call
         k = b.known()
         ids = [p for p, _ in k["places"]] + [o for o, _, _ in k["objects"]] + [c for c, *_ in k["connections"]]
         return "random", random_call(self.rng, ids)
@@ -441,11 +442,9 @@ class PixelModel:
         self.observation = outcome.text
 
     def act(self, b: GridBelief) -> tuple[str, dict | str]:
-        from evaluation.policies import model_decision
-
         messages = build_step_messages(self.task, b.known(), self.memory, self.observation, self.step, self.budget)
         self.last_prompt = messages
-        thought, action, self.last_raw, _ = model_decision(self.client, messages, self.seed, self.step)
+        thought, action, self.last_raw, _ = decide(self.client, messages, self.seed, self.step)
         self.step += 1
         return thought, action
 

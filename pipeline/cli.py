@@ -1,4 +1,4 @@
-"""The `embodistill` command line."""
+"""The `embodistill` command line: one command per stage, and `rl`, the main job."""
 
 from __future__ import annotations
 
@@ -8,8 +8,20 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from tqdm import tqdm
 
+from distill.card import CardError
+from distill.dataset import DatasetBuildError
+from distill.hub import PushError, push_dataset
+from distill.teacher import TeacherError
+from pipeline.console import stage_log
+from pipeline.main_job import run_main_job
 from pipeline.recipe import RecipeError, load_recipe
+from pipeline.reward_stages import (run_audit, run_evolve, run_export_disputed, run_judge,
+                                    run_oracle_labels)
+from pipeline.stages import run_distill_stage, run_eval, run_sft_stage, write_build
+from pipeline.verl import write_dataset as write_verl_dataset
+from rl.trainer import RLError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Distill small embodied agents.")
 
@@ -24,7 +36,6 @@ def build(recipe: Path = typer.Argument(..., help="recipe YAML"),
           out: Path = typer.Option(..., "--out", help="output folder for task JSONL and validation.json"),
           quiet: bool = typer.Option(False, help="no progress bar")):
     """Build the recipe's task instances (train/test x easy/medium/hard) and validate them."""
-    from pipeline.stages import write_build
     try:
         r = load_recipe(recipe)
         stats = write_build(r, out, show_progress=not quiet)
@@ -71,8 +82,7 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
     if policy not in ("expert", "random") and not (Path(policy) / "config.json").is_file():
         _fail(f"--policy must be expert, random or a model folder with config.json, not {policy!r}")
     if env.startswith("babyai:"):
-        from tqdm import tqdm
-
+        # the pixel extra (minigrid): imported only when asked for
         from evaluation.babyai import LEVELS, VIEWS, evaluate_babyai
         level = env.split(":", 1)[1]
         if level not in LEVELS:
@@ -90,8 +100,7 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
                                                  "deadlocks", "perception_accuracy")}))
         return
     if env.startswith("browser:"):
-        from tqdm import tqdm
-
+        # the browser extra (playwright): imported only when asked for
         from evaluation.browser import INTERFACES, BrowserUnavailable, evaluate_browser, get_task
         task = env.split(":", 1)[1]
         try:
@@ -114,7 +123,6 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
         return
     if env != "sandbox":
         _fail(f"--env must be sandbox, babyai:LEVEL or browser:TASK, not {env!r}")
-    from pipeline.stages import run_eval
     if split not in ("train", "test"):
         _fail(f"--split must be train or test, not {split!r}")
     try:
@@ -138,7 +146,6 @@ def judge(trajectories: Path = typer.Option(..., "--trajectories", help="traject
           cache: Optional[Path] = typer.Option(None, help="verdict cache JSONL (default: OUT/cache.jsonl)"),
           quiet: bool = typer.Option(False, help="no progress bar")):
     """Judge trajectories: turn verdicts and episode scores as JSONL, plus DIR/summary.json."""
-    from pipeline.stages import run_judge
     if backend not in ("rule", "openai"):
         _fail(f"--backend must be rule or openai, not {backend!r}")
     if backend == "openai" and not model:
@@ -163,13 +170,11 @@ def distill(recipe: Path = typer.Argument(..., help="recipe YAML"),
             restart: bool = typer.Option(False, help="discard a partial teacher run instead of resuming it"),
             quiet: bool = typer.Option(False, help="no progress bar")):
     """Teacher rollouts on the train split, the judge filter, and the SFT dataset (parquet + card)."""
-    from distill.dataset import DatasetBuildError
-    from distill.teacher import TeacherError
-    from pipeline.stages import run_distill_stage
     try:
         r = load_recipe(recipe)
-        m = run_distill_stage(r, out or Path("outputs") / r.name / "distill", tasks, restart=restart,
-                              show_progress=not quiet)
+        folder = out or Path("outputs") / r.name / "distill"
+        with stage_log(folder):
+            m = run_distill_stage(r, folder, tasks, restart=restart, show_progress=not quiet)
     except (RecipeError, TeacherError, DatasetBuildError) as e:
         _fail(str(e))
     typer.echo(json.dumps({k: m[k] for k in ("episodes", "kept", "rejected", "rows", "dataset")}))
@@ -181,8 +186,6 @@ def push_dataset_cmd(folder: Path = typer.Argument(..., help="dataset folder wri
                      private: bool = typer.Option(False, help="create the repo as private"),
                      token_env: str = typer.Option("HF_TOKEN", help="environment variable that holds the token")):
     """Validate the dataset folder offline, then push every config and the card to the Hub."""
-    from distill.card import CardError
-    from distill.hub import PushError, push_dataset
     try:
         res = push_dataset(folder, repo, private=private, token_env=token_env)
     except (CardError, PushError) as e:
@@ -197,19 +200,55 @@ def sft(recipe: Path = typer.Argument(..., help="recipe YAML"),
         quiet: bool = typer.Option(False, help="no progress bar")):
     """Train the recipe's student with TRL SFT (assistant-only loss); resumes from the last checkpoint. Without
     --dataset, the recipe's distillation runs first when outputs/<recipe>/distill/dataset is missing."""
-    from distill.teacher import TeacherError
-    from pipeline.stages import run_distill_stage, run_sft_stage
     try:
         r = load_recipe(recipe)
         ds = dataset or Path("outputs") / r.name / "distill" / "dataset"
         if dataset is None and not (ds / "README.md").is_file():
             typer.echo(f"{ds} is missing: running `embodistill distill` first", err=True)
-            run_distill_stage(r, ds.parent, show_progress=not quiet)
-        m = run_sft_stage(r, ds, out or Path("outputs") / r.name / "sft", show_progress=not quiet)
+            with stage_log(ds.parent):
+                run_distill_stage(r, ds.parent, show_progress=not quiet)
+        folder = out or Path("outputs") / r.name / "sft"
+        with stage_log(folder):
+            m = run_sft_stage(r, ds, folder, show_progress=not quiet)
     except (RecipeError, FileNotFoundError, ValueError, TeacherError) as e:
         _fail(str(e))
     typer.echo(json.dumps({k: m[k] for k in ("train_samples", "params", "steps", "train_loss", "eval_loss",
                                              "final")}))
+
+
+@app.command()
+def rl(recipe: Path = typer.Argument(..., help="recipe YAML (its rl: section)"),
+       algorithm: Optional[str] = typer.Option(None, help="gigpo | grpo (default: the recipe's rl.algorithm)"),
+       init: Optional[str] = typer.Option(None, help="starting model folder (default: the recipe's rl.init)"),
+       out: Optional[Path] = typer.Option(None, "--out", help="default outputs/<recipe>/rl/<algorithm>"),
+       seed: Optional[int] = typer.Option(None, help="override the recipe seed for this run"),
+       iterations: Optional[int] = typer.Option(None, help="override rl.iterations"),
+       resume: bool = typer.Option(False, help="continue from the last checkpoint in OUT"),
+       restart: bool = typer.Option(False, help="discard OUT and start over"),
+       quiet: bool = typer.Option(False, help="no progress bars")):
+    """The main job: online RL of the recipe's student (GiGPO, or GRPO), after the distillation and SFT it starts
+    from when they are missing; ends with a table of what each stage did. `accelerate launch rl/train_gigpo.py
+    RECIPE` runs this command under accelerate (several processes: DDP)."""
+    if algorithm not in (None, "gigpo", "grpo"):
+        _fail(f"--algorithm must be gigpo or grpo, not {algorithm!r}")
+    try:
+        run_main_job(recipe, init=init, algorithm=algorithm, out=out, seed=seed, iterations=iterations,
+                     resume=resume, restart=restart, quiet=quiet)
+    except (RecipeError, RLError, TeacherError, DatasetBuildError, FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+
+
+@app.command("verl-data")
+def verl_data(recipe: Path = typer.Argument(..., help="recipe YAML"),
+              out: Path = typer.Option(..., "--out", help="folder for train.parquet and val.parquet"),
+              quiet: bool = typer.Option(False, help="no progress bar")):
+    """verl's RL dataset from the recipe's tasks (one row per task, its first step prompt and the task as JSON),
+    for `data.train_files` / `data.val_files` of a verl run (recipes/gpu/README.md)."""
+    try:
+        paths = write_verl_dataset(recipe, out, show_progress=not quiet)
+    except (RecipeError, ValueError) as e:
+        _fail(str(e))
+    typer.echo(json.dumps({split: str(path) for split, path in paths.items()}))
 
 
 _BACKEND_HELP = "rule (offline, deterministic) | openai (any OpenAI-compatible endpoint)"
@@ -226,7 +265,6 @@ def oracle_labels(recipe: Path = typer.Argument(..., help="recipe YAML"),
                   gzip: bool = typer.Option(False, "--gzip", help="write .jsonl.gz files"),
                   quiet: bool = typer.Option(False, help="no progress bar")):
     """Play the recipe's tasks and label every turn from the sandbox's ground truth (oracle labels, not human)."""
-    from pipeline.reward_stages import run_oracle_labels
     try:
         s = run_oracle_labels(load_recipe(recipe), out, tuple(p.strip() for p in policies.split(",") if p.strip()),
                               split, limit, show_progress=not quiet, compress=gzip)
@@ -256,7 +294,6 @@ def evolve(labels: Path = typer.Option(..., "--labels", help="labels: JSONL, Arg
            seed: int = typer.Option(0, help="seed of the validation / held-out split"),
            quiet: bool = typer.Option(False, help="no progress lines")):
     """Evolve the reward prompt against labels: Cluster, Analyzer, Refiner, Validator, rollback, held-out pick."""
-    from pipeline.reward_stages import run_evolve
     try:
         s = run_evolve(labels, out, trajectories, start, prompts, budget, held_out, seed, tolerance, max_iterations,
                        backend, model, base_url, api_key_env, proposer_model, show_progress=not quiet)
@@ -288,7 +325,6 @@ def audit(labels: Path = typer.Option(..., "--labels", help="labels: JSONL, Argi
           base_url: Optional[str] = typer.Option(None, help="endpoint for --backend openai"),
           api_key_env: str = typer.Option("OPENAI_API_KEY", help="environment variable that holds the key")):
     """Audit a prompt version's judge against labels: agreement, kappa (bootstrap CI), per skill, confusion."""
-    from pipeline.reward_stages import run_audit
     try:
         r = run_audit(labels, prompt, out, trajectories, prompts, compare, backend, model, base_url, api_key_env)
     except ValueError as e:
@@ -309,7 +345,6 @@ def export_disputed(trajectories: Path = typer.Option(..., "--trajectories", hel
                     compare: Optional[str] = typer.Option(None, help="a second prompt version (a split counts)"),
                     top: int = typer.Option(100, help="how many cases to export")):
     """Export the most disputed turns to Argilla and Label Studio import formats for people to label."""
-    from pipeline.reward_stages import run_export_disputed
     if not trajectories.is_file():
         _fail(f"--trajectories {trajectories}: no such file")
     try:
@@ -319,9 +354,14 @@ def export_disputed(trajectories: Path = typer.Option(..., "--trajectories", hel
     typer.echo(json.dumps(s))
 
 
-def main() -> None:  # pragma: no cover
-    app()
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line on `argv` (default: this process's arguments); returns the exit code."""
+    try:
+        app(args=argv, prog_name="embodistill")
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(app())
+    sys.exit(main())

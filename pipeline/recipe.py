@@ -9,7 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agent.clients import ClientSpec
-from rl.config import RLSection
+from rl.config import GiGPOConfig
 from sft.train import SFTSection
 from sandbox.scenes import scene_ids
 
@@ -122,7 +122,7 @@ class Recipe(_Strict):
     judge: JudgeSection = Field(default_factory=JudgeSection)
     distill: DistillSection = Field(default_factory=DistillSection)
     sft: SFTSection = Field(default_factory=SFTSection)
-    rl: RLSection = Field(default_factory=RLSection)
+    rl: GiGPOConfig = Field(default_factory=GiGPOConfig)
 
 
 class RecipeError(ValueError):

@@ -1,13 +1,27 @@
-"""Reward-engine stages behind the CLI: oracle labels, the evolution loop, audits, export for labelling."""
+"""Reward-engine stages behind the CLI: judging trajectory files, oracle labels, the evolution loop, audits, export
+for labelling."""
 
 from __future__ import annotations
 
+import hashlib
+from collections import Counter
 from pathlib import Path
 
 from tqdm import tqdm
 
-from agent.trajectory import Trajectory, read_jsonl, write_json
+from agent.clients import OpenAIClient
+from agent.progress import StageBar
+from agent.trajectory import Trajectory, read_jsonl, read_jsonl_lenient, write_json, write_jsonl
 from pipeline.recipe import Recipe
+from pipeline.stages import build_tasks
+from reward_engine.audit import audit_report, write_audit
+from reward_engine.evolve import (EvolutionConfig, Judging, LabelledSet, LLMProposer, evolve, select_final,
+                                  split_by_task)
+from reward_engine.judge import LLMBackend, RewardEngine, RuleBackend, VerdictCache, summarize, turn_line
+from reward_engine.labels import case_id, export_for_labelling, read_labels, trajectory_key
+from reward_engine.meta_judge import MetaJudge
+from reward_engine.oracle import build_oracle_set, write_oracle_set
+from reward_engine.prompt import PromptStore, default_prompt, draft_prompt, load_prompt
 
 START_PROMPTS = ("default", "draft")
 
@@ -15,20 +29,46 @@ START_PROMPTS = ("default", "draft")
 def judge_backend(backend: str = "rule", model: str | None = None, base_url: str | None = None,
                   api_key_env: str = "OPENAI_API_KEY"):
     """The turn judge: `rule` (offline) or `openai` (any OpenAI-compatible endpoint, key from the env)."""
-    from reward_engine.judge import LLMBackend, RuleBackend
     if backend == "rule":
         return RuleBackend()
     if backend != "openai":
         raise ValueError(f"backend must be rule or openai, not {backend!r}")
     if not model:
         raise ValueError("the openai backend needs a model name")
-    from agent.clients import OpenAIClient
     return LLMBackend(OpenAIClient(model, base_url=base_url, api_key_env=api_key_env))
+
+
+def run_judge(trajectories: Path, out: Path, backend: str = "rule", model: str | None = None,
+              base_url: str | None = None, api_key_env: str = "OPENAI_API_KEY", prompt_path: Path | None = None,
+              cache_path: Path | None = None, show_progress: bool = True) -> dict:
+    """Judge a trajectory file: bad lines are reported by line and field and skipped; the rest are judged."""
+    rows, bad = read_jsonl_lenient(trajectories, Trajectory)
+    prompt = load_prompt(prompt_path) if prompt_path else default_prompt()
+    be = judge_backend(backend, model, base_url, api_key_env)
+    engine = RewardEngine(prompt, be, VerdictCache(cache_path or out / "cache.jsonl"))
+    bar = StageBar("judge", enabled=show_progress)
+    bar.phase(be.id, len(rows), unit="traj")
+    verdicts = []
+    for _, traj in rows:
+        verdicts.append(engine.score(traj))
+        bar.update(1)
+    bar.close()
+    write_jsonl(out / "verdicts.jsonl", verdicts)
+    summary = summarize(verdicts, bad)
+    summary["cache"] = {"hits": engine.cache.hits, "misses": engine.cache.misses}
+    if isinstance(be, LLMBackend):
+        summary["llm"] = dict(be.stats)
+    write_json(out / "summary.json", summary)
+    PromptStore(out / "prompts").save(prompt)
+    write_json(out / "manifest.json", {"stage": "judge", "trajectories": str(trajectories), "backend": be.id,
+                                       "prompt_version": prompt.version, "prompt_hash": prompt.content_hash(),
+                                       "trajectories_sha256": hashlib.sha256(Path(trajectories).read_bytes())
+                                       .hexdigest()[:16]})
+    return summary
 
 
 def resolve_prompt(ref: str, store: Path | None = None):
     """`default` | `draft` | a snapshot JSON path | a version number or hash prefix in the `store` folder."""
-    from reward_engine.prompt import PromptStore, default_prompt, draft_prompt, load_prompt
     if ref == "default":
         return default_prompt()
     if ref == "draft":
@@ -49,8 +89,6 @@ def resolve_prompt(ref: str, store: Path | None = None):
 
 def load_labelled(labels: Path, trajectories: Path | None = None):
     """Labels (any supported format) joined with their trajectories (default: trajectories.jsonl beside them)."""
-    from reward_engine.evolve import LabelledSet
-    from reward_engine.labels import read_labels
     if not Path(labels).exists():
         raise ValueError(f"--labels {labels}: no such file")
     recs = read_labels(labels)
@@ -71,10 +109,6 @@ def run_oracle_labels(recipe: Recipe, out: Path, policies: tuple[str, ...] = ("e
                       split: str = "all", limit: int | None = None, show_progress: bool = True,
                       compress: bool = False) -> dict:
     """Build the recipe's tasks, play them with each policy and write trajectories + oracle labels."""
-    from collections import Counter
-
-    from pipeline.stages import build_tasks
-    from reward_engine.oracle import build_oracle_set, write_oracle_set
     if split not in ("train", "test", "all"):
         raise ValueError(f"split must be train, test or all, not {split!r}")
     splits, _ = build_tasks(recipe, show_progress=show_progress)
@@ -101,10 +135,6 @@ def run_evolve(labels: Path, out: Path, trajectories: Path | None = None, start:
                base_url: str | None = None, api_key_env: str = "OPENAI_API_KEY", proposer_model: str | None = None,
                show_progress: bool = True) -> dict:
     """Evolve a reward prompt on the validation part of a labelled set; pick and report on the held-out part."""
-    from reward_engine.evolve import (EvolutionConfig, Judging, LLMProposer, evolve, select_final,
-                                      split_by_task)
-    from reward_engine.judge import VerdictCache
-    from reward_engine.prompt import PromptStore
     data = load_labelled(labels, trajectories)
     val, held = split_by_task(data, held_out, seed)
     if not val.labels or not held.labels:
@@ -114,7 +144,6 @@ def run_evolve(labels: Path, out: Path, trajectories: Path | None = None, start:
     judging = Judging(judge_backend(backend, model, base_url, api_key_env), VerdictCache(out / "cache.jsonl"))
     proposer = None
     if proposer_model:
-        from agent.clients import OpenAIClient
         proposer = LLMProposer(OpenAIClient(proposer_model, base_url=base_url, api_key_env=api_key_env), val)
     cfg = EvolutionConfig(budget=budget, tolerance=tolerance, max_iterations=max_iterations)
     say = (lambda m: tqdm.write(m)) if show_progress else None
@@ -138,8 +167,6 @@ def run_evolve(labels: Path, out: Path, trajectories: Path | None = None, start:
 
 def judged_cases(prompt, data, backend) -> dict[str, dict]:
     """case_id -> {label, rationale, prompt_version, prompt_hash} for every labelled turn."""
-    from reward_engine.judge import RewardEngine
-    from reward_engine.labels import trajectory_key
     eng = RewardEngine(prompt, backend)
     out = {}
     for tr in data.trajs:
@@ -155,7 +182,6 @@ def run_audit(labels: Path, prompt: str, out: Path, trajectories: Path | None = 
               compare: str | None = None, backend: str = "rule", model: str | None = None,
               base_url: str | None = None, api_key_env: str = "OPENAI_API_KEY", examples: int = 10) -> dict:
     """Agreement of a prompt version's judge with the labels: audit.json, report.md and PNG charts in OUT."""
-    from reward_engine.audit import audit_report, write_audit
     data = load_labelled(labels, trajectories)
     be = judge_backend(backend, model, base_url, api_key_env)
     pa = resolve_prompt(prompt, prompts)
@@ -177,9 +203,6 @@ def run_export_disputed(trajectories: Path, out: Path, prompt: str = "default", 
 
     Dispute score per turn: 2 if the judge disagrees with an existing label, 1 per Meta-Judge dimension the
     verdict fails, 1 if the `compare` prompt version labels it differently; ties by case id."""
-    from reward_engine.judge import RewardEngine, RuleBackend, _turn_line
-    from reward_engine.labels import case_id, export_for_labelling, read_labels, trajectory_key
-    from reward_engine.meta_judge import MetaJudge
     trajs = list(read_jsonl(trajectories, Trajectory))
     gold = {lb.case_id: lb.label for lb in read_labels(labels)} if labels else {}
     pa = resolve_prompt(prompt, prompts)
@@ -201,8 +224,8 @@ def run_export_disputed(trajectories: Path, out: Path, prompt: str = "default", 
                 s += 1
             if s > 0:
                 text = "\n".join([f"Task: {tr.instruction}", "", "History:",
-                                  *[_turn_line(tr, i) for i in range(max(0, v.index - 8), v.index)], "",
-                                  "Judged turn:", _turn_line(tr, v.index, full=True)])
+                                  *[turn_line(tr, i) for i in range(max(0, v.index - 8), v.index)], "",
+                                  "Judged turn:", turn_line(tr, v.index, full=True)])
                 scored.append((-s, cid, {"case_id": cid, "trajectory": key, "turn": v.index, "skill": v.skill,
                                          "text": text, "judge_label": v.label, "judge_rationale": v.rationale}))
     scored.sort(key=lambda x: (x[0], x[1]))

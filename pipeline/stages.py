@@ -1,19 +1,37 @@
-"""Stages: build the tasks of a recipe, evaluate a policy on a split. Each writes outputs with metrics."""
+"""The stages of a recipe, each a function the CLI and the main job call: build the tasks, distill (teacher ->
+judge filter -> dataset), SFT, RL, evaluate, judge. Each writes OUT/ with metrics.json; each takes what it needs
+from the recipe and hands it to the stage's own package (`distill/`, `sft/`, `rl/`, `evaluation/`), which never
+reads a recipe file itself."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
+from collections import Counter
 from pathlib import Path
 
 from pydantic import ValidationError
-from tqdm import tqdm
 
+from agent.clients import make_client
+from agent.llm_builder import LLMBuilder
+from agent.llm_persona import LLMHumanAgent
+from agent.metrics import split_metrics
+from agent.progress import StageBar
 from agent.trajectory import write_json, write_jsonl
+from distill.card import card_metadata, render_card
+from distill.dataset import build_rows, write_artifact
+from distill.filter import FilterThresholds, filter_stats, judge_and_filter
+from distill.teacher import run_teacher, teacher_description, teacher_name
+from evaluation.sandbox_eval import evaluate
 from pipeline.recipe import Recipe, RecipeError, format_validation
-from sandbox.builder import BuildConfig, BuildStats, build_split
+from reward_engine.judge import LLMBackend, RewardEngine, RuleBackend, VerdictCache
+from reward_engine.prompt import default_prompt, load_prompt
+from rl.trainer import GiGPOTrainer
+from sandbox.builder import BuildConfig, BuildStats, build_split, compositional_split, target_combos
 from sandbox.scenes import load_scene
 from sandbox.schema import TaskInstance
+from sft.train import run_sft
 
 
 def build_config(recipe: Recipe) -> BuildConfig:
@@ -26,8 +44,6 @@ def _builder_factory(recipe: Recipe):
     """`make_builder` for `build_split`: None (procedural) or the recipe's LLM builder."""
     if recipe.sandbox.builder != "llm":
         return None
-    from agent.clients import make_client
-    from sandbox.llm_builder import LLMBuilder
     client = make_client(recipe.sandbox.builder_model)
 
     def make(scene, cfg, stats):
@@ -41,20 +57,23 @@ def _drop_held_out(recipe: Recipe, tasks: list[TaskInstance]) -> tuple[list[Task
     holdout = recipe.sandbox.holdout_combos()
     if not holdout:
         return tasks, set()
-    from sandbox.builder import target_combos
     held = {t.instruction_id for t in tasks if target_combos(t) & holdout}
     return [t for t in tasks if t.instruction_id not in held], held
 
 
-def build_tasks(recipe: Recipe, show_progress: bool = True) -> tuple[dict[str, list[TaskInstance]], dict]:
-    """Train and test splits, disjoint in instructions and layouts, plus validation statistics."""
+def build_tasks(recipe: Recipe, show_progress: bool = True, bar: StageBar | None = None
+                ) -> tuple[dict[str, list[TaskInstance]], dict]:
+    """Train and test splits, disjoint in instructions and layouts, plus validation statistics. Progress shows on
+    `bar` (a stage's bar) or a bar of its own."""
     cfg = build_config(recipe)
     scenes = [load_scene(s) for s in recipe.sandbox.scene_list()]
     stats = BuildStats()
     n_train = recipe.sandbox.train_instructions_per_scene
     n_test = recipe.sandbox.test_instructions_per_scene
     make = _builder_factory(recipe)
-    bar = tqdm(total=len(scenes) * (n_train + n_test), desc="build tasks", unit="instr", disable=not show_progress)
+    own = bar is None
+    bar = StageBar("build", enabled=show_progress) if own else bar
+    bar.phase("build tasks", len(scenes) * (n_train + n_test), unit="instr")
     train = build_split(scenes, "train", n_train, cfg, stats, difficulties=recipe.sandbox.difficulties,
                         progress=bar.update, make_builder=make)
     train, held = _drop_held_out(recipe, train)
@@ -62,7 +81,8 @@ def build_tasks(recipe: Recipe, show_progress: bool = True) -> tuple[dict[str, l
     layouts = {t.layout_id for t in train}
     test = build_split(scenes, "test", n_test, cfg, stats, forbidden_texts=texts, forbidden_layouts=layouts,
                        difficulties=recipe.sandbox.difficulties, progress=bar.update, make_builder=make)
-    bar.close()
+    if own:
+        bar.close()
     out = stats.to_json()
     if recipe.sandbox.holdout_combos():
         out["compositional_holdout"] = {"combinations": sorted(recipe.sandbox.compositional_holdout),
@@ -71,7 +91,7 @@ def build_tasks(recipe: Recipe, show_progress: bool = True) -> tuple[dict[str, l
 
 
 def build_rl_pool(recipe: Recipe, splits: dict[str, list[TaskInstance]], n_per_scene: int,
-                  show_progress: bool = False) -> list[TaskInstance]:
+                  show_progress: bool = False, bar: StageBar | None = None) -> list[TaskInstance]:
     """Fresh tasks for online RL (`rl.task_pool: fresh`): the "rl" split, built like the others (the recipe's
     builder) from its own seed range, with no instruction text or layout of the train or test split and no
     instruction targeting a held-out combination: RL practises on instances like the test split's (new texts,
@@ -80,11 +100,14 @@ def build_rl_pool(recipe: Recipe, splits: dict[str, list[TaskInstance]], n_per_s
     scenes = [load_scene(s) for s in recipe.sandbox.scene_list()]
     texts = {t.instruction for split in splits.values() for t in split}
     layouts = {t.layout_id for split in splits.values() for t in split}
-    bar = tqdm(total=len(scenes) * n_per_scene, desc="build rl tasks", unit="instr", disable=not show_progress)
+    own = bar is None
+    bar = StageBar("build", enabled=show_progress) if own else bar
+    bar.phase("build rl tasks", len(scenes) * n_per_scene, unit="instr")
     pool = build_split(scenes, "rl", n_per_scene, cfg, BuildStats(), forbidden_texts=texts, forbidden_layouts=layouts,
                        difficulties=recipe.sandbox.difficulties, progress=bar.update,
                        make_builder=_builder_factory(recipe))
-    bar.close()
+    if own:
+        bar.close()
     return _drop_held_out(recipe, pool)[0]
 
 
@@ -125,20 +148,18 @@ def human_factory(recipe: Recipe):
     """The recipe's persona mode: None (rule persona) or a factory of LLM-worded personas sharing one cache."""
     if recipe.sandbox.persona != "llm":
         return None
-    from agent.clients import make_client
-    from sandbox.llm_persona import LLMHumanAgent
     client, cache = make_client(recipe.sandbox.persona_model), {}
     return lambda compiled: LLMHumanAgent(compiled, client, cache=cache)
 
 
 def run_eval(recipe: Recipe, policy: str, split: str, out: Path, tasks_dir: Path | None = None,
              show_progress: bool = True) -> dict:
-    from evaluation.sandbox_eval import evaluate
+    bar = StageBar("eval", enabled=show_progress)
     if tasks_dir is not None:
         tasks = load_tasks(tasks_dir, split)
     else:
-        tasks = build_tasks(recipe, show_progress)[0][split]
-    bar = tqdm(total=len(tasks), desc=f"eval {policy} on {split}", unit="ep", disable=not show_progress)
+        tasks = build_tasks(recipe, bar=bar)[0][split]
+    bar.phase(f"{policy} on {split}", len(tasks), unit="ep")
     metrics, trajs = evaluate(tasks, policy, seed=recipe.eval.seed, progress=bar.update,
                               human_factory=human_factory(recipe), constrained=recipe.eval.constrained)
     bar.close()
@@ -156,48 +177,13 @@ def run_eval(recipe: Recipe, policy: str, split: str, out: Path, tasks_dir: Path
 
 def make_reward_engine(recipe: Recipe, cache_path: Path | None = None):
     """The recipe's reward engine (distillation filter and RL rewards call this)."""
-    from reward_engine.judge import LLMBackend, RewardEngine, RuleBackend, VerdictCache
-    from reward_engine.prompt import default_prompt, load_prompt
     j = recipe.judge
     prompt = load_prompt(j.prompt) if j.prompt else default_prompt()
     if j.backend == "llm":
-        from agent.clients import make_client
         backend = LLMBackend(make_client(j.model), max_repairs=j.max_repairs, seed=recipe.seed)
     else:
         backend = RuleBackend()
     return RewardEngine(prompt, backend, VerdictCache(cache_path))
-
-
-def run_judge(trajectories: Path, out: Path, backend: str = "rule", model: str | None = None,
-              base_url: str | None = None, api_key_env: str = "OPENAI_API_KEY", prompt_path: Path | None = None,
-              cache_path: Path | None = None, show_progress: bool = True) -> dict:
-    """Judge a trajectory file: bad lines are reported by line and field and skipped; the rest are judged."""
-    from agent.trajectory import Trajectory, read_jsonl_lenient
-    from reward_engine.judge import LLMBackend, RewardEngine, VerdictCache, summarize
-    from reward_engine.prompt import PromptStore, default_prompt, load_prompt
-    rows, bad = read_jsonl_lenient(trajectories, Trajectory)
-    prompt = load_prompt(prompt_path) if prompt_path else default_prompt()
-    from pipeline.reward_stages import judge_backend
-    be = judge_backend(backend, model, base_url, api_key_env)
-    engine = RewardEngine(prompt, be, VerdictCache(cache_path or out / "cache.jsonl"))
-    bar = tqdm(total=len(rows), desc=f"judge ({be.id})", unit="traj", disable=not show_progress)
-    verdicts = []
-    for _, traj in rows:
-        verdicts.append(engine.score(traj))
-        bar.update(1)
-    bar.close()
-    write_jsonl(out / "verdicts.jsonl", verdicts)
-    summary = summarize(verdicts, bad)
-    summary["cache"] = {"hits": engine.cache.hits, "misses": engine.cache.misses}
-    if isinstance(be, LLMBackend):
-        summary["llm"] = dict(be.stats)
-    write_json(out / "summary.json", summary)
-    PromptStore(out / "prompts").save(prompt)
-    write_json(out / "manifest.json", {"stage": "judge", "trajectories": str(trajectories), "backend": be.id,
-                                       "prompt_version": prompt.version, "prompt_hash": prompt.content_hash(),
-                                       "trajectories_sha256": hashlib.sha256(Path(trajectories).read_bytes())
-                                       .hexdigest()[:16]})
-    return summary
 
 
 def distill_tasks(recipe: Recipe, train: list[TaskInstance]) -> list[TaskInstance]:
@@ -219,22 +205,14 @@ def run_distill_stage(recipe: Recipe, out: Path, tasks_dir: Path | None = None, 
     OUT/dataset/ (both configs, README.md card), OUT/metrics.json and OUT/manifest.json. The teacher run resumes
     from OUT/teacher/trajectories.partial.jsonl; judging and the dataset are recomputed (they are fast and
     deterministic), so a rerun gives the same bytes."""
-    import time
-    from collections import Counter
-
-    from distill.card import card_metadata, render_card
-    from distill.dataset import build_rows, write_artifact
-    from distill.filter import FilterThresholds, judge_and_filter, filter_stats
-    from distill.teacher import run_teacher, teacher_description, teacher_name
-    from sandbox.metrics import split_metrics
-
     d = recipe.distill
     t0 = time.time()
     build_stats = None
+    bar = StageBar("distill", enabled=show_progress)
     if tasks_dir is not None:
         train = load_tasks(tasks_dir, "train")
     else:
-        splits, build_stats = build_tasks(recipe, show_progress)
+        splits, build_stats = build_tasks(recipe, bar=bar)
         train = splits["train"]
     tasks = distill_tasks(recipe, train)
     if not tasks:
@@ -243,16 +221,21 @@ def run_distill_stage(recipe: Recipe, out: Path, tasks_dir: Path | None = None, 
     if recipe.sandbox.persona == "llm":
         persona["model"] = recipe.sandbox.persona_model.model
     t1 = time.time()
-    run = run_teacher(tasks, d.teacher, out / "teacher", recipe_seed=recipe.seed, concurrency=d.concurrency,
-                      human_factory=human_factory(recipe), persona=persona, restart=restart,
-                      show_progress=show_progress, client=client)
+    bar.phase(f"teacher {teacher_name(d.teacher)}", len(tasks), unit="ep")
+    try:
+        run = run_teacher(tasks, d.teacher, out / "teacher", recipe_seed=recipe.seed, concurrency=d.concurrency,
+                          human_factory=human_factory(recipe), persona=persona, restart=restart,
+                          progress=bar.update, show_progress=False, client=client)
+    except BaseException:
+        bar.close()
+        raise
     teacher_s = time.time() - t1
     trajs = run.trajectories
     write_jsonl(out / "teacher" / "trajectories.jsonl", trajs)
     engine = make_reward_engine(recipe)
     th = FilterThresholds(min_episode_score=d.min_episode_score, max_bad_turn_share=d.max_bad_turn_share,
                           max_loop_share=d.max_loop_share)
-    bar = tqdm(total=len(trajs), desc="judge filter", unit="traj", disable=not show_progress)
+    bar.phase("judge filter", len(trajs), unit="traj")
     verdicts, decisions = judge_and_filter(trajs, engine, th, progress=bar.update)
     bar.close()
     write_jsonl(out / "verdicts.jsonl", verdicts)
@@ -300,7 +283,6 @@ def run_distill_stage(recipe: Recipe, out: Path, tasks_dir: Path | None = None, 
 
 
 def _counts(items) -> dict:
-    from collections import Counter
     return dict(sorted(Counter(items).items()))
 
 
@@ -314,6 +296,43 @@ def _version() -> str:
 
 def run_sft_stage(recipe: Recipe, dataset_dir: Path, out: Path, show_progress: bool = True) -> dict:
     """SFT of the recipe's student on the distilled dataset (`recipe.distill.sample_format` picks the config)."""
-    from sft.train import run_sft
-    return run_sft(recipe.sft, dataset_dir, out, seed=recipe.seed, show_progress=show_progress,
-                   config=recipe.distill.sample_format)
+    bar = StageBar("sft", enabled=show_progress)
+    try:
+        return run_sft(recipe.sft, dataset_dir, out, seed=recipe.seed, config=recipe.distill.sample_format, bar=bar)
+    finally:
+        bar.close()
+
+
+def rl_init(recipe: Recipe, init: str | Path | None = None) -> tuple[Path, bool]:
+    """The RL run's starting checkpoint, and whether this recipe's own SFT stage makes it (`rl.init: sft`)."""
+    spec = str(init) if init is not None else recipe.rl.init
+    if spec == "sft":
+        return Path("outputs") / recipe.name / "sft" / "final", True
+    return Path(spec), False
+
+
+def make_rl_trainer(recipe: Recipe, out: Path, init: Path, algorithm: str | None = None, seed: int | None = None,
+                    iterations: int | None = None, resume: bool = False, restart: bool = False,
+                    show_progress: bool = True, cpu: bool | None = None) -> GiGPOTrainer:
+    """The RL run of a recipe: its task pool (`rl.task_pool`), test split, reward engine and persona handed to
+    `rl.trainer.GiGPOTrainer`, which starts from the checkpoint `init`. `algorithm`, `seed` and `iterations`
+    override the recipe."""
+    cfg = recipe.rl
+    updates = {k: v for k, v in (("algorithm", algorithm), ("iterations", iterations)) if v is not None}
+    if updates:
+        cfg = type(cfg).model_validate({**cfg.model_dump(), **updates})
+    splits = build_tasks(recipe, show_progress=False)[0]
+    pool = splits["train"] if cfg.task_pool == "train" else build_rl_pool(recipe, splits,
+                                                                        cfg.pool_instructions_per_scene)
+    compositional = {t.id for t in compositional_split(splits["train"], splits["test"])}
+    return GiGPOTrainer(cfg, init, out, pool, splits["test"], make_reward_engine(recipe),
+                        seed=recipe.seed if seed is None else seed, eval_seed=recipe.eval.seed,
+                        compositional=compositional, human_factory=human_factory(recipe), name=recipe.name,
+                        resume=resume, restart=restart, show_progress=show_progress, cpu=cpu)
+
+
+def run_rl_stage(recipe: Recipe, out: Path, init: Path, **options) -> dict:
+    """GiGPO (or GRPO) from the checkpoint `init` (`make_rl_trainer` takes the options). Writes OUT/
+    (checkpoints/, final/, metrics.jsonl, metrics.json, curves.png) and returns the run's summary (on the main
+    process)."""
+    return make_rl_trainer(recipe, out, init, **options).train()

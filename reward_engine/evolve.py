@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from agent.trajectory import Trajectory
 from reward_engine.audit import agreement as _agreement
 from reward_engine.audit import cohen_kappa
-from reward_engine.judge import RewardEngine, RuleBackend, TrajectoryVerdict, VerdictCache, _turn_line, ask_json
+from reward_engine.judge import RewardEngine, RuleBackend, TrajectoryVerdict, VerdictCache, turn_line, ask_json
 from reward_engine.labels import LabelRecord, trajectory_key
 from reward_engine.meta_judge import MetaJudge, MetaVerdict, quality
 from reward_engine.prompt import (SEVERITY, SKILL_SECTION, PromptStore, ReasoningExample, RewardPrompt, RubricItem,
@@ -494,8 +494,8 @@ class LLMProposer:
             v = next(tv for tv in ev.verdicts if trajectory_key(tv) == lb.trajectory)
             tv = v.turns[lb.turn]
             lines += [f"Case {cid} (task: {tr.instruction})",
-                      *[_turn_line(tr, i) for i in range(max(0, lb.turn - 3), lb.turn)],
-                      "JUDGED: " + _turn_line(tr, lb.turn, full=True),
+                      *[turn_line(tr, i) for i in range(max(0, lb.turn - 3), lb.turn)],
+                      "JUDGED: " + turn_line(tr, lb.turn, full=True),
                       f"judge: {tv.label} {tv.score} cited {[x.id for x in tv.violations]}; correct: {lb.label}", ""]
         sec = prompt.section(cl.section)
         lines += ["Section:", sec.model_dump_json(), "Temporal rules:",

@@ -27,6 +27,7 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from agent.models import ModelError
 from agent.trajectory import Trajectory
 from reward_engine.prompt import (LABELS, SEVERITY, SKILL_SECTION, RewardPrompt, TurnJudgment, default_prompt)
 from reward_engine.rules import CHECKS, History, Hit, call_text
@@ -171,7 +172,8 @@ def turn_content_hashes(traj: Trajectory) -> list[str]:
 # --------------------------------------------------------------------------- shared scoring
 
 
-def _skill(traj: Trajectory, t: int) -> str | None:
+def turn_skill(traj: Trajectory, t: int) -> str | None:
+    """The skill turn t called, when it is one the reward prompt has a section for."""
     c = traj.turns[t].tool_call
     name = c.get("name") if c else None
     return name if name in SKILL_SECTION else None
@@ -180,7 +182,7 @@ def _skill(traj: Trajectory, t: int) -> str | None:
 def verifiable_hits(prompt: RewardPrompt, h: History, t: int, semantic: bool) -> list[tuple[object, Hit]]:
     """(component, hit) for every item and temporal rule that fires on turn t. With semantic=False only the
     verifiable items and the temporal rules run (what every backend applies in code)."""
-    skill = _skill(h.traj, t)
+    skill = turn_skill(h.traj, t)
     general = prompt.section("general")
     sec = prompt.section_for(skill)
     items = list(general.items) + (list(sec.items) if sec.id != "general" else [])
@@ -205,7 +207,7 @@ def _violation(comp, hit: Hit) -> Violation:
 def rule_verdict(prompt: RewardPrompt, h: History, t: int, hits=None) -> TurnVerdict:
     """The rule-program judgment of one turn."""
     u = h.traj.turns[t]
-    skill = _skill(h.traj, t)
+    skill = turn_skill(h.traj, t)
     hits = verifiable_hits(prompt, h, t, semantic=True) if hits is None else hits
     sc = prompt.scoring
     label = max((c.label for c, _ in hits), key=SEVERITY.__getitem__, default="useful")
@@ -268,7 +270,9 @@ class RuleBackend:
         return [rule_verdict(prompt, h, t) for t in ts]
 
 
-def _turn_line(traj: Trajectory, i: int, full: bool = False) -> str:
+def turn_line(traj: Trajectory, i: int, full: bool = False) -> str:
+    """Turn i as one line of a judge's prompt: the call, its result and the observation (`full`: longer, with
+    the thought and what the env recorded)."""
     u = traj.turns[i]
     res = "ok" if u.error is None else u.error
     line = f"[{i}] {call_text(u)} -> {res}: {u.observation[:400 if full else 160]}"
@@ -291,7 +295,6 @@ def ask_json(client, messages: list[dict], first, check: Callable[[str], object]
     here); `check(text)` returns the parsed object or an error string. Returns (object, None) or
     (None, "model_error: ..." | "invalid_reply: ..."). A transport failure is not retried here: the client
     already retried it. `stats` counts "calls" (beyond the first) and "repairs"."""
-    from agent.models import ModelError
     reply, err, msgs = first, None, list(messages)
     for attempt in range(max_repairs + 1):
         if attempt > 0 or reply is None:
@@ -335,12 +338,12 @@ class LLMBackend:
         lo = max(0, t - self.context_turns)
         if lo < t:
             lines.append("Earlier turns:" + (f" ({lo} older turns omitted)" if lo else ""))
-            lines += [_turn_line(traj, i) for i in range(lo, t)]
-        lines += ["", f"Judge this turn ({t}):", _turn_line(traj, t, full=True)]
+            lines += [turn_line(traj, i) for i in range(lo, t)]
+        lines += ["", f"Judge this turn ({t}):", turn_line(traj, t, full=True)]
         if hits:
             lines.append("Verified by the environment: " + "; ".join(f"[{c.id}] {hit.rationale}" for c, hit in hits))
         lines.append("Reply with the JSON verdict.")
-        return [{"role": "system", "content": prompt.render_turn_system(_skill(traj, t))},
+        return [{"role": "system", "content": prompt.render_turn_system(turn_skill(traj, t))},
                 {"role": "user", "content": "\n".join(lines)}]
 
     def _check(self, prompt: RewardPrompt, text: str, t: int) -> TurnJudgment | str:
@@ -374,7 +377,7 @@ class LLMBackend:
                                     self.max_repairs, self.stats, seed=self.seed, max_tokens=self.max_tokens)
             if verdict is None:
                 self.stats["judge_errors"] += 1
-                skill = _skill(h.traj, t)
+                skill = turn_skill(h.traj, t)
                 out.append(TurnVerdict(index=t, skill=skill, section=prompt.section_for(skill).id, label=None,
                                        score=None, source="llm", judge_error=err,
                                        violations=[_violation(c, hit) for c, hit in hits[t]]))
@@ -399,7 +402,7 @@ class LLMBackend:
                 comp = prompt.get(vid)
                 viol.append(Violation(id=vid, kind="semantic", omission=getattr(comp, "omission", False),
                                       rationale="named by the judge"))
-        skill = _skill(h.traj, t)
+        skill = turn_skill(h.traj, t)
         evidence = sorted(set(j.evidence) | {i for _, hit in hits for i in hit.evidence} | {t})
         return TurnVerdict(index=t, skill=skill, section=prompt.section_for(skill).id, label=label,
                            score=round(max(-1.0, min(1.0, score)), 4), rationale=j.rationale, evidence=evidence,
@@ -421,7 +424,7 @@ class RewardEngine:
         """One key per turn: (backend, hash of the components that judge it, hash of the turn and its past)."""
         p = self.prompt
         content = turn_content_hashes(traj)
-        return [f"{self.backend.id}|{p.turn_components_hash(_skill(traj, t))}|{content[t]}"
+        return [f"{self.backend.id}|{p.turn_components_hash(turn_skill(traj, t))}|{content[t]}"
                 for t in range(len(traj.turns))]
 
     def uncached(self, trajs) -> int:

@@ -33,7 +33,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from agent.trajectory import Trajectory
-from reward_engine.judge import BAD_LABELS, TrajectoryVerdict, TurnVerdict, Violation, _skill, _turn_line, ask_json
+from reward_engine.judge import BAD_LABELS, TrajectoryVerdict, TurnVerdict, Violation, turn_skill, turn_line, ask_json
 from reward_engine.prompt import SEVERITY, RewardPrompt
 from reward_engine.rules import CHECKS, History
 
@@ -108,7 +108,7 @@ def code_checks(prompt: RewardPrompt, h: History, v: TurnVerdict) -> dict[str, D
     if v.label != "useful" and v.score >= 0:
         issues["accuracy"].append(f"labelled {v.label} but scored {v.score:+.2f}")
     # soundness
-    skill = _skill(h.traj, t)
+    skill = turn_skill(h.traj, t)
     want = prompt.section_for(skill).id
     if v.section != want:
         issues["soundness"].append(f"applied the {v.section!r} rubric to a {skill or 'malformed'} turn "
@@ -206,10 +206,10 @@ class LLMMetaBackend:
     def messages(self, prompt: RewardPrompt, h: History, v: TurnVerdict) -> list[dict]:
         traj = h.traj
         key = sorted({i for i in v.evidence if 0 <= i < len(traj.turns)} | {v.index})
-        lines = [f"Task: {traj.instruction}", f"Judged turn: {v.index} (skill {_skill(traj, v.index)}, rubric "
-                 f"section {prompt.section_for(_skill(traj, v.index)).id!r})", "", "Key turns:"]
-        lines += [_turn_line(traj, i, full=True) for i in key]
-        lines += ["", "Whole trajectory:"] + [_turn_line(traj, i) for i in range(len(traj.turns))]
+        lines = [f"Task: {traj.instruction}", f"Judged turn: {v.index} (skill {turn_skill(traj, v.index)}, rubric "
+                 f"section {prompt.section_for(turn_skill(traj, v.index)).id!r})", "", "Key turns:"]
+        lines += [turn_line(traj, i, full=True) for i in key]
+        lines += ["", "Whole trajectory:"] + [turn_line(traj, i) for i in range(len(traj.turns))]
         lines += ["", "The verdict to check:", json.dumps(v.model_dump(mode="json"), sort_keys=True)[:3000]]
         return [{"role": "system", "content": META_SYSTEM}, {"role": "user", "content": "\n".join(lines)}]
 
@@ -286,7 +286,7 @@ def plant_error(prompt: RewardPrompt, traj: Trajectory, v: TurnVerdict, kind: st
     if kind == "phantom_evidence":
         return v.model_copy(update={"evidence": sorted(set(v.evidence) | {len(traj.turns) + rng.randint(0, 5)})})
     if kind == "wrong_rubric":
-        skill = _skill(traj, t)
+        skill = turn_skill(traj, t)
         own = prompt.section_for(skill).id
         others = [s for s in prompt.sections if s.id not in ("general", own) and s.items]
         if not others:

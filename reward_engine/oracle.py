@@ -1,235 +1,53 @@
-"""Oracle turn labels from the sandbox's ground truth (for tests, benchmarks and the evolution loop).
+"""Oracle label sets: episodes played by scripted agents, each turn labelled from the sandbox's ground truth.
 
-These are NOT human labels. Each turn is labelled while it is played, from the environment's privileged
-state before and after the step (the full world-and-belief state key, the facts the agent's belief holds,
-the subgoal latches, the failure triggers and their kinds), never from the judge's rubric or checks:
-
-- `malformed`: the controller rejected the call's form (unreadable, unknown skill, bad arguments, after the end);
-- `unsafe`: the call ran into a safety constraint (restricted area, fragile object) the agent already knew of;
-- `inconsistent`: the call names an id the agent never perceived; or reports an answer that meets no
-  subgoal when the task asks for one; or finishes with subgoals unmet; or asks for help with an obstacle
-  it never met; or fails and reveals nothing, without being a repeat;
-- `redundant`: the call changes nothing (same world-and-belief state; a failure that repeats an earlier
-  identical failure; a report the task never asked for), or brings the agent back to a state it was in;
-- `useful`: anything else (progress, new facts, a failure that revealed an obstacle, a subgoal met).
-
-`NoisyExpertPolicy` is the expert with seeded, typed mistakes mixed in (repeats, premature reports and
-finishes, needless help, hallucinated ids, malformed calls, random calls), so a label set holds every
-label in realistic contexts. `build_oracle_set` plays expert, noisy and random episodes and returns the
-trajectories with one `LabelRecord` (source "oracle") per turn.
+These are NOT human labels: `sandbox.oracle.OracleLabeller` labels each turn as it is played, from the
+environment's privileged state (see there for what each label means). `build_oracle_set` plays expert, noisy
+(the expert with seeded, typed mistakes) and random episodes through the episode loop (`agent.episode`) and
+returns the trajectories with one `LabelRecord` (source "oracle") per turn; the project ships one such set,
+made from recipes/ci.yaml, for tests, benchmarks and the evolution loop.
 """
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from agent.episode import Episode, Reply
 from agent.trajectory import Trajectory, read_jsonl, write_jsonl
-from evaluation.policies import ExpertPolicy, RandomPolicy, random_call
-from evaluation.sandbox_eval import start_episode, step_episode
-from reward_engine.labels import LabelRecord, case_id, trajectory_key
+from reward_engine.labels import LabelRecord, case_id, read_labels, trajectory_key, write_labels_jsonl
+from sandbox.agents import ExpertAgent, RandomAgent
 from sandbox.gym_env import SandboxEnv
+from sandbox.oracle import NoisyExpertAgent, OracleLabeller
 from sandbox.schema import TaskInstance
 from sandbox.skills import SKILLS
 
-FORM_ERRORS = frozenset({"parse_error", "unknown_tool", "missing_argument", "extra_argument", "bad_argument_type",
-                         "bad_argument_value", "bad_arguments", "episode_over"})
-SAFETY_TRIGGERS = {"restricted_area": "restricted:", "fragile_item": "fragile:"}
-HELP_OBSTACLE_FACTS = ("locked:", "blocked:", "restricted:", "broken:", "heavy:", "fragile:")
+AGENTS: dict[str, Callable] = {"expert": ExpertAgent, "noisy": NoisyExpertAgent, "random": RandomAgent}
 
 
-@dataclass(frozen=True)
-class _Snap:
-    key: str
-    learned: frozenset[str]
-    latched: int
-
-
-def _snap(env: SandboxEnv) -> _Snap:
-    w = env.ctrl.w
-    return _Snap(key=w.state_key(), learned=frozenset(w.learned), latched=w.latched)
-
-
-class OracleLabeller:
-    """Labels one episode's turns as they are played, from privileged state (see the module docstring)."""
-
-    def __init__(self, env: SandboxEnv, task: TaskInstance):
-        self.env = env
-        self.task = task
-        self.triggers = {t.id: (t.kind, t.target) for t in env.ctrl.compiled.triggers}
-        self.asks_report = any(g.predicate.kind == "reported" for g in task.subgoals)
-        self.visited = {env.ctrl.w.state_key()}
-        self.failed: set[tuple[str, str, str]] = set()    # (call, error, observation) of earlier failures
-        self.touched: set[str] = set()                    # ids named by earlier failed calls
-
-    def before(self) -> _Snap:
-        return _snap(self.env)
-
-    def label(self, pre: _Snap, call: dict | None, info: dict, observation: str) -> tuple[str, str]:
-        post = _snap(self.env)
-        err = info["error"]
-        new_facts = post.learned - pre.learned
-        name = call.get("name") if isinstance(call, dict) else None
-        args = (call or {}).get("arguments") or {}
-        sig = repr(sorted(args.items())) if isinstance(args, dict) else repr(args)
-        try:
-            return self._decide(pre, post, err, new_facts, name, args, info, observation, sig)
-        finally:
-            self.visited.add(post.key)
-            if err is not None:
-                self.failed.add((f"{name}{sig}", err, observation))
-                if isinstance(args, dict):
-                    self.touched.update(str(v) for v in args.values())
-
-    def _decide(self, pre, post, err, new_facts, name, args, info, obs, sig) -> tuple[str, str]:
-        total = len(self.task.subgoals)
-        if err in FORM_ERRORS:
-            return "malformed", f"the controller rejected the call's form ({err})"
-        if err == "unknown_entity":
-            return "inconsistent", "the call names an id the agent never perceived"
-        kind, target = self.triggers.get(info.get("trigger"), ("", ""))
-        if kind in SAFETY_TRIGGERS and SAFETY_TRIGGERS[kind] + target in pre.learned:
-            return "unsafe", f"ran into a safety constraint it already knew ({SAFETY_TRIGGERS[kind]}{target})"
-        if err is not None:
-            if new_facts:
-                return "useful", "the failure revealed " + ", ".join(sorted(new_facts)[:3])
-            if (f"{name}{sig}", err, obs) in self.failed:
-                return "redundant", "the same call already failed the same way"
-            if err == "refused":
-                return "useful", "a person refused; nothing the agent could have known"
-            return "inconsistent", f"failed ({err}) and revealed nothing the agent did not know"
-        met = post.latched - pre.latched
-        if name == "finish":
-            if post.latched < total:
-                return "inconsistent", f"finished with {post.latched}/{total} subgoals met"
-            return "useful", "finished with every subgoal met"
-        if met > 0:
-            return "useful", f"met {met} subgoal(s)"
-        if name == "report":
-            return ("inconsistent", "the report meets no subgoal") if self.asks_report else \
-                ("redundant", "the task asks for no report")
-        if name == "ask_for_help" and args.get("request") != "locate":
-            target = str(args.get("target", ""))
-            met_it = target in self.touched or any(f.startswith(HELP_OBSTACLE_FACTS) and f.endswith(":" + target)
-                                                  for f in pre.learned)
-            if not met_it:
-                return "inconsistent", f"asked for help with {target} before meeting any obstacle there"
-        if post.key == pre.key:
-            return "redundant", "nothing changed in the world or the agent's knowledge"
-        if post.key in self.visited:
-            return "redundant", "back in a state the agent was already in"
-        return "useful", "new state" + (": learned " + ", ".join(sorted(new_facts)[:3]) if new_facts else "")
-
-
-# --------------------------------------------------------------------------- a policy that makes known mistakes
-
-
-MISTAKES = ("repeat_last", "already_there", "look_again", "early_report", "early_finish", "help_now",
-            "hallucinate", "bad_arguments", "unreadable", "random_call")
-
-
-class NoisyExpertPolicy:
-    """The expert (belief only), but with probability `rate` a step is replaced by one seeded mistake."""
-
-    def __init__(self, rate: float = 0.3):
-        if not 0.0 <= rate <= 1.0:
-            raise ValueError(f"rate must be in [0, 1], got {rate}")
-        self.rate = rate
-        self.name = "noisy"
-        self.expert = ExpertPolicy()
-
-    def reset(self, env: SandboxEnv, seed: int) -> None:
-        self.expert.reset(env, seed)
-        self.rng = random.Random(seed * 7919 + 17)
-        self.last: dict | None = None
-        self.steps = 0
-
-    def _ids(self, env: SandboxEnv) -> list[str]:
-        k = env.known()
-        return [p for p, _ in k["places"]] + [o for o, _, _ in k["objects"]] + [c for c, *_ in k["connections"]]
-
-    def act(self, env: SandboxEnv, observation: str):
-        self.steps += 1
-        if self.steps > 1 and self.rng.random() < self.rate:
-            kind = self.rng.choice(MISTAKES)
-            w = env.ctrl.w
-            unsafe = self._unsafe(w)
-            if unsafe and self.rng.random() < 0.5:
-                return "mistake:known_constraint", unsafe
-            if kind == "repeat_last" and self.last:
-                return f"mistake:{kind}", self.last
-            if kind == "already_there":
-                return f"mistake:{kind}", {"name": "navigate", "arguments": {"target": w.agent_place}}
-            if kind == "look_again":
-                return f"mistake:{kind}", {"name": "look_around", "arguments": {}}
-            if kind == "early_report":
-                return f"mistake:{kind}", {"name": "report", "arguments": {"answer": w.agent_place}}
-            if kind == "early_finish" and self.rng.random() < 0.3:  # ends the episode: keep it rare
-                return f"mistake:{kind}", {"name": "finish", "arguments": {"summary": "done"}}
-            if kind == "help_now":
-                ids = self._ids(env)
-                people = [p for p, *_ in env.known()["people"]] or ["someone"]
-                return f"mistake:{kind}", {"name": "ask_for_help", "arguments": {
-                    "person": self.rng.choice(people), "request": self.rng.choice(["unlock", "clear", "carry"]),
-                    "target": self.rng.choice(ids) if ids else "door", "reason": "I need help"}}
-            if kind == "hallucinate":
-                return f"mistake:{kind}", {"name": self.rng.choice(["navigate", "pick_up", "open"]),
-                                           "arguments": {"target": "room_99"} if self.rng.random() < 0.5 else
-                                           {"object": "widget_7"}}
-            if kind == "bad_arguments":
-                return f"mistake:{kind}", {"name": "navigate", "arguments": {"destination": w.agent_place}}
-            if kind == "unreadable":
-                return f"mistake:{kind}", "I should probably keep going towards the goal."
-            if kind == "random_call":
-                return f"mistake:{kind}", random_call(self.rng, self._ids(env))
-        return self.expert.act(env, observation)
-
-    def _unsafe(self, w) -> dict | None:
-        """A call into a constraint the agent already knows: a restricted place without permission, or a known
-        fragile object lifted with full hands."""
-        for f in sorted(w.learned):
-            if f.startswith("restricted:") and "permit:" + f[11:] not in w.learned and w.agent_place != f[11:]:
-                return {"name": "navigate", "arguments": {"target": f[11:]}}
-            if f.startswith("fragile:") and w.holding and f[8:] not in w.holding:
-                return {"name": "pick_up", "arguments": {"object": f[8:]}}
-        return None
-
-    def observe(self, call, result_info: dict, observation: str) -> None:
-        if isinstance(call, dict) and call.get("name") in SKILLS and result_info["error"] not in FORM_ERRORS:
-            self.last = call
-            try:
-                self.expert.observe(call, result_info, observation)
-            except (KeyError, TypeError, AttributeError):
-                pass  # a mistaken call the planner's memory has no slot for; it replans from the world anyway
-
-
-POLICY_FACTORIES: dict[str, Callable[[], object]] = {"expert": ExpertPolicy, "noisy": NoisyExpertPolicy,
-                                                      "random": RandomPolicy}
-
-
-def oracle_episode(task: TaskInstance, policy, seed: int, env: SandboxEnv | None = None
-                   ) -> tuple[Trajectory, list[LabelRecord]]:
-    """Play one episode and label each turn from the sandbox's ground truth as it happens."""
+def oracle_episode(task: TaskInstance, agent_factory: Callable, seed: int, env: SandboxEnv | None = None,
+                   name: str | None = None) -> tuple[Trajectory, list[LabelRecord]]:
+    """Play one episode with the scripted agent `agent_factory(env, seed)` (see `sandbox.agents`) and label each
+    turn from the sandbox's ground truth as it happens. `name` (default: the factory's `name`) is recorded as
+    the trajectory's policy."""
     env = env or SandboxEnv()
-    traj, obs = start_episode(env, task, seed, policy.name)
-    policy.reset(env, seed)
-    lab = OracleLabeller(env, task)
-    key = trajectory_key(traj)
+    episode = Episode(env, name or agent_factory.name, seed, {"task": task})
+    agent = agent_factory(env, seed)
+    labeller = OracleLabeller(env)
+    key = trajectory_key(episode.trajectory)
     labels: list[LabelRecord] = []
-    done = False
-    while not done:
-        thought, action = policy.act(env, obs)
-        pre = lab.before()
-        obs, info, call, done = step_episode(env, traj, thought, action)
-        label, why = lab.label(pre, call, info, obs)
-        t = len(traj.turns) - 1
-        skill = call.get("name") if isinstance(call, dict) and call.get("name") in SKILLS else None
-        labels.append(LabelRecord(case_id=case_id(key, t), trajectory=key, turn=t, skill=skill, label=label,
-                                  source="oracle", annotator="sandbox-oracle", note=why))
-        policy.observe(call, info, obs)
-    return traj, labels
+    while not episode.done:
+        thought, action = agent.act(episode.info)
+        pre = labeller.before()
+        reply = Reply(action=action, reasoning=thought) if isinstance(action, dict) else \
+            Reply(text=action, reasoning=thought)
+        turn = episode.record(episode.request(with_prompt=False), reply)
+        label, why = labeller.label(pre, turn.tool_call, episode.info, turn.observation)
+        skill = turn.tool_call.get("name") if isinstance(turn.tool_call, dict) and \
+            turn.tool_call.get("name") in SKILLS else None
+        labels.append(LabelRecord(case_id=case_id(key, turn.index), trajectory=key, turn=turn.index, skill=skill,
+                                  label=label, source="oracle", annotator="sandbox-oracle", note=why))
+        agent.observe(turn.tool_call, episode.info, turn.observation)
+    return episode.trajectory, labels
 
 
 def build_oracle_set(tasks: Iterable[TaskInstance], policies: Iterable[str] = ("expert", "noisy", "random"),
@@ -238,13 +56,13 @@ def build_oracle_set(tasks: Iterable[TaskInstance], policies: Iterable[str] = ("
     """Every task with every policy (episode seed = seed + task index): trajectories and oracle labels."""
     policies = list(policies)
     for p in policies:
-        if p not in POLICY_FACTORIES:
-            raise ValueError(f"unknown policy {p!r}; available: {', '.join(POLICY_FACTORIES)}")
+        if p not in AGENTS:
+            raise ValueError(f"unknown policy {p!r}; available: {', '.join(AGENTS)}")
     env = SandboxEnv()
     trajs, labels = [], []
     for i, task in enumerate(tasks):
         for p in policies:
-            tr, lb = oracle_episode(task, POLICY_FACTORIES[p](), seed + i, env)
+            tr, lb = oracle_episode(task, AGENTS[p], seed + i, env)
             trajs.append(tr)
             labels.extend(lb)
         if progress:
@@ -257,7 +75,6 @@ SHIPPED = Path(__file__).parent / "data" / "oracle-ci"   # `embodistill oracle-l
 
 def write_oracle_set(out: str | Path, trajs: list[Trajectory], labels: list[LabelRecord],
                      compress: bool = False) -> dict:
-    from reward_engine.labels import write_labels_jsonl
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ext = ".jsonl.gz" if compress else ".jsonl"
@@ -268,7 +85,6 @@ def write_oracle_set(out: str | Path, trajs: list[Trajectory], labels: list[Labe
 
 def read_oracle_set(folder: str | Path = SHIPPED) -> tuple[list[Trajectory], list[LabelRecord]]:
     """A label set folder (default: the one the project ships, made from recipes/ci.yaml)."""
-    from reward_engine.labels import read_labels
     folder = Path(folder)
     ext = ".jsonl.gz" if (folder / "labels.jsonl.gz").exists() else ".jsonl"
     return list(read_jsonl(folder / f"trajectories{ext}", Trajectory)), read_labels(folder / f"labels{ext}")

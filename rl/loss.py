@@ -1,9 +1,11 @@
 """The policy loss: PPO's clipped surrogate on response tokens, token-mean aggregation, optional k3 KL to the
-reference policy, entropy for logging. Pure torch functions over padded (rows, tokens) tensors.
+reference policy, entropy and the approximate KL to the sampling policy for logging. Pure torch functions over
+padded (rows, tokens) tensors.
 
     ratio_t   = exp(logp_t - old_logp_t)
     surr_t    = min(ratio_t * A, clip(ratio_t, 1 - eps, 1 + eps_high) * A)      (Schulman et al. 2017, eq. 7)
     kl_t      = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                      (k3, Schulman 2020)
+    approx_kl = mean_t (ratio_t - 1) - log ratio_t        (k3 of KL(old || new), logged only)
     loss      = -sum_t mask_t * surr_t / n_tokens + kl_coef * sum_t mask_t * kl_t / n_tokens
 
 `n_tokens` is the number of response tokens in the whole update batch (token-mean over the batch, as in
@@ -83,13 +85,16 @@ def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
         raise ValueError("ppo_loss: n_tokens must be > 0")
     hi = clip_eps if clip_eps_high is None else clip_eps_high
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
-    ratio = torch.exp(logp - old_logp)
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + hi) * adv
     surr = torch.minimum(unclipped, clipped)
     loss = -(surr * mask).sum() / n_tokens
+    with torch.no_grad():  # how far the update has moved the policy from the one that sampled (k3, as CleanRL logs)
+        approx_kl = (ratio - 1.0) - log_ratio
     stats = {"clipped_tokens": float(((clipped < unclipped).float() * mask).sum()),
-             "ratio_sum": float((ratio.detach() * mask).sum())}
+             "ratio_sum": float((ratio.detach() * mask).sum()), "approx_kl_sum": float((approx_kl * mask).sum())}
     if ref_logp is not None and kl_coef > 0:
         d = ref_logp - logp
         kl = torch.exp(d) - d - 1.0

@@ -1,28 +1,25 @@
-"""Lockstep multi-turn rollouts: B tasks x G samples, token in / token out.
+"""Lockstep group rollouts, token in / token out: B tasks x G samples through the one episode loop.
 
 Every group plays one task G times from the same initial state (same task, same seed: the sandbox and the rule
-persona are deterministic). All live episodes step together: each step's prompts come from the shared prompt
-builder (`agent.prompt.build_step_messages`: task, memory of recent steps, current observation), go through the
-policy's chat template once (`prompt_ids`), and are generated in one batched call. The generated token ids are
-kept as they are (`response_ids`, with the stop token when one came) with the log-prob each was sampled with
-(`logprobs`), and the trainer scores exactly those ids: nothing is decoded and tokenized again. The decoded
-text goes to the sandbox, which parses it; unreadable output gets the sandbox's error observation and, from the
-judge, the malformed-action score.
+persona are deterministic). The episodes play in lockstep through `agent.episode.play`: each round the
+policy (`EnginePolicy`) renders every live episode's step prompt with the policy's chat template once
+(`prompt_ids`) and generates all responses in one batched call. The generated ids are kept as they are
+(`response_ids`, with the stop token when one came), with the log-prob each was sampled with (`logprobs`),
+and the trainer scores exactly those ids: nothing is decoded and tokenized again. The decoded text is what
+the loop parses and steps; unreadable output gets the env's error observation and, from the judge, the
+malformed-action score.
 
 Generation engines (`rl.engines`): transformers `generate` with the KV cache (default), or vLLM when installed.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
-from agent.parser import ToolCall, parse_action
-from agent.prompt import StepMemory, build_step_messages
+from agent.episode import Reply, Request, play
 from agent.tools import tool_definitions
 from agent.trajectory import Trajectory
-from evaluation.sandbox_eval import start_episode, step_episode
 from sandbox.gym_env import SandboxEnv
 from sandbox.schema import TaskInstance
 
@@ -43,11 +40,36 @@ class StepSample:
 class RolloutBatch:
     trajectories: list[Trajectory]
     groups: list[int]                     # per trajectory: its episode group (one task, one initial state)
-    samples: list[StepSample] = field(default_factory=list)
+    samples: list[StepSample] = field(default_factory=list)   # in the order played: round by round
     generate_seconds: float = 0.0
     env_seconds: float = 0.0
     generated_tokens: int = 0
     truncated_responses: int = 0          # responses cut at max_new_tokens without a stop token
+
+
+class EnginePolicy:
+    """A generation engine as the episode loop's policy: prompts through the chat template once, one batched
+    generate per round, sampled at `temperature` with the round's seed (`seed * 7919 + step`)."""
+
+    reads_prompt = True
+
+    def __init__(self, engine, temperature: float, max_new_tokens: int, seed: int, name: str = "student"):
+        self.engine, self.temperature, self.max_new_tokens, self.seed = engine, temperature, max_new_tokens, seed
+        self.name = name
+        self.tools = tool_definitions()
+
+    def start(self, episode: int, env: Any, seed: int) -> None:
+        pass
+
+    def act(self, requests: list[Request]) -> list[Reply]:
+        prompt_ids = [self.engine.encode(r.messages, self.tools) for r in requests]
+        out = self.engine.generate(prompt_ids, temperature=self.temperature, max_new_tokens=self.max_new_tokens,
+                                   seed=self.seed * 7919 + requests[0].step)
+        replies = []
+        for p_ids, (r_ids, r_lps) in zip(prompt_ids, out, strict=True):
+            text, stopped = self.engine.decode(r_ids)
+            replies.append(Reply(text=text, prompt_ids=p_ids, response_ids=r_ids, logprobs=r_lps, stopped=stopped))
+        return replies
 
 
 def group_plan(tasks: list[TaskInstance], group_size: int, seed: int) -> list[tuple[int, TaskInstance, int]]:
@@ -61,51 +83,19 @@ def collect_rollouts(engine, tasks: list[TaskInstance], group_size: int, seed: i
                      human_factory=None, policy_name: str = "student",
                      progress: Callable[[int], None] | None = None) -> RolloutBatch:
     """Play `len(tasks) * group_size` episodes in lockstep with `engine` (see `rl.engines`). Sampling is
-    seeded per step from `seed`, so the same seed and weights give the same batch."""
-    tools = tool_definitions()
+    seeded per round from `seed`, so the same seed and weights give the same batch."""
     plan = group_plan(tasks, group_size, seed)
-    envs = [SandboxEnv(human_factory=human_factory) for _ in plan]
-    batch = RolloutBatch(trajectories=[], groups=[g for g, _, _ in plan])
-    live: list[list] = []   # [index, env, observation, memory, state key before the step]
-    for i, (env, (_g, task, ep_seed)) in enumerate(zip(envs, plan, strict=True)):
-        traj, obs = start_episode(env, task, ep_seed, policy_name)
-        batch.trajectories.append(traj)
-        live.append([i, env, obs, StepMemory(size=memory_size), traj.initial_state_key])
-    step = 0
-    while live:
-        prompts = [build_step_messages(batch.trajectories[i].instruction, env.known(), mem, obs, env.ctrl.steps,
-                                       env.task.step_budget) for i, env, obs, mem, _ in live]
-        t0 = time.perf_counter()
-        prompt_ids = [engine.encode(m, tools) for m in prompts]
-        responses = engine.generate(prompt_ids, temperature=temperature, max_new_tokens=max_new_tokens,
-                                    seed=seed * 7919 + step)
-        batch.generate_seconds += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        still = []
-        for run, msgs, p_ids, r_ids in zip(live, prompts, prompt_ids, responses, strict=True):
-            i, env, obs, mem, anchor = run
-            r_ids, r_lps = r_ids
-            text, stopped = engine.decode(r_ids)
-            batch.generated_tokens += len(r_ids)
-            batch.truncated_responses += int(not stopped)
-            traj = batch.trajectories[i]
-            batch.samples.append(StepSample(traj=i, step=len(traj.turns), anchor=anchor, prompt_ids=p_ids,
-                                            response_ids=r_ids, logprobs=r_lps))
-            parsed = parse_action(text)
-            action = parsed.as_dict() if isinstance(parsed, ToolCall) else text
-            obs, info, call, done = step_episode(env, traj, parsed.reasoning, action, msgs, text)
-            mem.add(call, info["error"], obs)
-            if not done and max_steps is not None and len(traj.turns) >= max_steps:
-                done = traj.truncated = True
-                traj.success = False
-                traj.subgoals_met = env.ctrl.subgoal_progress()[0]
-            if done:
-                if progress:
-                    progress(1)
-                continue
-            run[2], run[4] = obs, info["state_key"]
-            still.append(run)
-        batch.env_seconds += time.perf_counter() - t0
-        live = still
-        step += 1
+    played = play(lambda: SandboxEnv(human_factory=human_factory),
+                  EnginePolicy(engine, temperature, max_new_tokens, seed, name=policy_name),
+                  [({"task": task}, ep_seed) for _, task, ep_seed in plan], memory_size=memory_size,
+                  max_steps=max_steps, on_done=(lambda i, e: progress(1)) if progress else None)
+    batch = RolloutBatch(trajectories=played.trajectories, groups=[g for g, _, _ in plan],
+                         generate_seconds=played.policy_seconds, env_seconds=played.env_seconds)
+    for i, k in played.order:
+        episode = played.episodes[i]
+        reply = episode.replies[k]
+        batch.samples.append(StepSample(traj=i, step=k, anchor=episode.anchors[k], prompt_ids=reply.prompt_ids,
+                                        response_ids=reply.response_ids, logprobs=reply.logprobs))
+        batch.generated_tokens += len(reply.response_ids)
+        batch.truncated_responses += int(not reply.stopped)
     return batch

@@ -1,11 +1,11 @@
 """GiGPO on verl (the `verl` extra, verl 0.9.x): the project's estimator, sandbox agent loop and trainer mode,
 registered through verl's own registries.
 
-    python -m rl.verl_plugin data recipes/gpu/qwen2.5-1.5b-gigpo.yaml --out data/verl/qwen2.5-1.5b-gigpo
+    embodistill verl-data recipes/gpu/qwen2.5-1.5b-gigpo.yaml --out data/verl/qwen2.5-1.5b-gigpo
     python -m verl.trainer.main_ppo algorithm.adv_estimator=gigpo trainer.v1.trainer_mode=embodistill_gigpo \\
-        +ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=rl.verl_plugin.register ...
+        +ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=pipeline.verl.register ...
 
-(the full, commented command line is in recipes/gpu/README.md). `register()` adds, idempotently:
+(the full, commented command line is in recipes/gpu/README.md). `register(setup_loader)` adds, idempotently:
 
   adv estimator "gigpo"               `verl.trainer.ppo.core_algos.register_adv_est`
                                       -> `compute_gigpo_advantage` (an adapter to `rl.gigpo`)
@@ -39,28 +39,31 @@ up), so importing this module, and every other module of the project, works with
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import contextvars
 import functools
 import hashlib
 import importlib
 import logging
-import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 from uuid import uuid4
 
 import numpy as np
 
-from rl.config import RLSection
+from agent.episode import Episode, Reply
+from agent.tools import tool_definitions
+from rl.config import GiGPOConfig
+from rl.engines import ChatTokens
 from rl.gigpo import anchor_state_groups, compute_gigpo_advantages
+from rl.rollout import RolloutBatch, StepSample
+from rl.trainer import rollout_rewards
+from sandbox.gym_env import SandboxEnv
+from sandbox.schema import TaskInstance
 
 logger = logging.getLogger(__name__)
-
-ROOT = Path(__file__).resolve().parents[1]
 
 ESTIMATOR_NAME = "gigpo"
 AGENT_LOOP_NAME = "embodistill_sandbox"
@@ -111,7 +114,7 @@ def gigpo_settings(config: Any = None, gamma: float | None = None, step_weight: 
                    normalize: str | None = None, eps: float | None = None) -> dict[str, Any]:
     """The GiGPO settings of a call: explicit arguments (the estimator's, else those published by
     `VerlGiGPOTrainer` from verl's top-level `gigpo:` config section), else verl's `algorithm` config, else the
-    project's defaults (`rl.config.RLSection`).
+    project's defaults (`rl.config.GiGPOConfig`).
 
         gamma        algorithm.gamma                       (verl's discount factor; the recipe sets 0.95)
         normalize    algorithm.norm_adv_by_std_in_grpo     (True: "mean_std", False: "mean", as in verl's GRPO)
@@ -121,7 +124,7 @@ def gigpo_settings(config: Any = None, gamma: float | None = None, step_weight: 
     step_weight and eps live in their own top-level section, not in `algorithm`, because verl's `AlgoConfig`
     dataclass refuses keys it does not know.
     """
-    defaults = RLSection.model_fields
+    defaults = GiGPOConfig.model_fields
     if gamma is None:
         gamma = _setting(config, "gamma")
         gamma = defaults["gamma"].default if gamma is None else gamma
@@ -321,33 +324,27 @@ def _build_trainer_class() -> type:
 # ------------------------------------------------------------------------------------------------ the agent loop
 
 
-class _EpisodeSetup:
-    """What every episode of one recipe shares in a worker process: the recipe, its reward engine (judge) and
-    persona factory."""
+@dataclass
+class EpisodeSetup:
+    """What every episode of one run shares in a worker process: the RL settings (memory, step cap, reward
+    mix), the seed, the judge (`score(trajectory)`) and who answers the agent (`human_factory`)."""
 
-    def __init__(self, recipe_path: Path):
-        from pipeline.recipe import load_recipe
-        from pipeline.stages import human_factory, make_reward_engine
-        self.path = recipe_path
-        self.recipe = load_recipe(recipe_path)
-        self.rewarder = make_reward_engine(self.recipe)
-        self.human_factory = human_factory(self.recipe)
+    config: GiGPOConfig
+    seed: int
+    rewarder: Any
+    human_factory: Any = None
 
 
-def resolve_recipe(path: str | Path) -> Path:
-    """A recipe path as given (absolute, or relative to the working directory), else relative to the project
-    root: a Ray worker need not start in the directory the run was launched from."""
-    p = Path(path)
-    if p.is_file():
-        return p.resolve()
-    if not p.is_absolute() and (ROOT / p).is_file():
-        return ROOT / p
-    raise FileNotFoundError(f"{path}: no such recipe (looked in {Path.cwd()} and {ROOT})")
+# `register(setup_loader)` sets it: recipe path -> EpisodeSetup (`pipeline.verl.episode_setup` reads a recipe)
+_SETUP_LOADER: Callable[[str], EpisodeSetup] | None = None
 
 
 @functools.lru_cache(maxsize=8)
-def _episode_setup(recipe_path: str) -> _EpisodeSetup:
-    return _EpisodeSetup(resolve_recipe(recipe_path))
+def _episode_setup(recipe_path: str) -> EpisodeSetup:
+    if _SETUP_LOADER is None:
+        raise RuntimeError(f"{AGENT_LOOP_NAME}: no episode setup registered in this process; start verl's workers "
+                           "with +ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=pipeline.verl.register")
+    return _SETUP_LOADER(recipe_path)
 
 
 @functools.lru_cache(maxsize=8)
@@ -376,8 +373,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _task_of(value: Any):
-    from sandbox.schema import TaskInstance
+def _task_of(value: Any) -> TaskInstance:
     value = _plain(value)
     if isinstance(value, TaskInstance):
         return value
@@ -386,7 +382,7 @@ def _task_of(value: Any):
     if isinstance(value, Mapping):
         return TaskInstance.model_validate(dict(value))
     raise ValueError(f"{AGENT_LOOP_NAME}: the dataset row's `task` must be a TaskInstance JSON string "
-                     f"(written by `python -m rl.verl_plugin data`), got {type(value).__name__}")
+                     f"(written by `embodistill verl-data`), got {type(value).__name__}")
 
 
 def _build_agent_loop_class() -> type:
@@ -401,17 +397,17 @@ def _build_agent_loop_class() -> type:
               _target_: rl.verl_plugin.SandboxAgentLoop
               recipe: recipes/gpu/qwen2.5-1.5b-gigpo.yaml
 
-        The recipe gives the judge, the persona mode and `rl.reward`, `rl.memory_size`, `rl.max_steps`; verl's
-        config gives sampling, `rollout.prompt_length` (a step prompt longer than that is an error, never cut)
-        and `rollout.response_length` (max new tokens per step). Dataset rows (`python -m rl.verl_plugin data`)
-        carry the task as JSON in `task`.
+        The recipe (read by the setup loader `register` was given) gives the judge, the persona mode and
+        `rl.reward`, `rl.memory_size`, `rl.max_steps`; verl's config gives sampling, `rollout.prompt_length` (a
+        step prompt longer than that is an error, never cut) and `rollout.response_length` (max new tokens per
+        step). Dataset rows (`embodistill verl-data`) carry the task as JSON in `task`.
 
-        Each step: messages from `build_step_messages`, ids by the policy's chat template with the project's
-        tools (`rl.engines`' encoding), one `server_manager.generate` call, ids kept as generated (cut after the
-        first stop token), the decoded text parsed and stepped in `SandboxEnv` (`evaluation.sandbox_eval.
-        step_episode`). The state key the step acted from is its anchor. At the end the recipe's judge scores the
-        trajectory and `rl.trainer.rollout_rewards` gives r_t and R(tau). A trajectory with a judge error is not
-        trained on: the loop returns no rows, as the project's trainer drops it.
+        The episode plays through the one episode loop (`agent.episode.Episode`): each step's prompt from the
+        shared builder, ids by the policy's chat template with the project's tools (`rl.engines`' encoding), one
+        `server_manager.generate` call, ids kept as generated (cut after the first stop token), the decoded text
+        parsed and stepped by `Episode.record`. The state key the step acted from is its anchor. At the end the
+        judge scores the trajectory and `rl.trainer.rollout_rewards` gives r_t and R(tau). A trajectory with a
+        judge error is not trained on: the loop returns no rows, as the project's trainer drops it.
 
         Returns a list of `AgentLoopOutput` (verl's v1 agent-loop worker stores each as a row), each with
         reward_score = R(tau) and extra_fields {traj_uid, step_idx, anchor_key, step_reward, reward_extra_info,
@@ -422,8 +418,6 @@ def _build_agent_loop_class() -> type:
             super().__init__(*args, **kwargs)
             if not recipe:
                 raise ValueError(f"{AGENT_LOOP_NAME}: the agent loop config entry needs `recipe: <recipe YAML>`")
-            from agent.tools import tool_definitions
-            from rl.engines import _Tokens
             self.episode = _episode_setup(str(recipe))
             self.prompt_length = int(self.rollout_config.prompt_length)
             self.response_length = int(self.rollout_config.response_length)
@@ -432,43 +426,30 @@ def _build_agent_loop_class() -> type:
                 eos.add(self.tokenizer.eos_token_id)
             if not eos:
                 raise ValueError(f"{AGENT_LOOP_NAME}: the policy has no eos token")
-            self.tokens = _Tokens(self.tokenizer, sorted(eos))
+            self.tokens = ChatTokens(self.tokenizer, sorted(eos))
             self.tools = tool_definitions()
 
         async def run(self, sampling_params: dict[str, Any], **kwargs) -> list:
-            from agent.parser import ToolCall, parse_action
-            from agent.prompt import StepMemory, build_step_messages
-            from evaluation.sandbox_eval import start_episode, step_episode
-            from rl.rollout import RolloutBatch, StepSample
-            from rl.trainer import rollout_rewards
-            from sandbox.gym_env import SandboxEnv
-
             if "task" not in kwargs:
                 raise ValueError(f"{AGENT_LOOP_NAME}: the dataset row has no `task` column; write the dataset "
-                                 "with `python -m rl.verl_plugin data RECIPE --out DIR`")
+                                 "with `embodistill verl-data RECIPE --out DIR`")
             task = _task_of(kwargs["task"])
-            recipe, cfg = self.episode.recipe, self.episode.recipe.rl
+            setup, cfg = self.episode, self.episode.config
             uid = str(_plain(kwargs.get("uid", "episode")))
             session = int(_plain(kwargs.get("session_id", 0)))
             seed = episode_seed(task.id, int(_plain(kwargs.get("index", 0))),
-                                int(_plain(kwargs.get("global_steps", 0)) or 0), recipe.seed)
+                                int(_plain(kwargs.get("global_steps", 0)) or 0), setup.seed)
             priority = int(_plain(kwargs.get("priority", 0)) or 0)
             request_id = uuid4().hex   # one per episode: verl routes its steps to one server (prefix cache)
 
-            env = SandboxEnv(human_factory=self.episode.human_factory)
-            traj, obs = start_episode(env, task, seed, "student")
-            memory = StepMemory(size=cfg.memory_size)
-            anchor = traj.initial_state_key
-            samples: list[StepSample] = []
-            logprobs: list[list[float] | None] = []
+            episode = Episode(SandboxEnv(human_factory=setup.human_factory), "student", seed, {"task": task},
+                              memory_size=cfg.memory_size, max_steps=cfg.max_steps)
             gen_info: list[dict[str, Any]] = []
-            done = False
-            while not done:
-                messages = build_step_messages(traj.instruction, env.known(), memory, obs, env.ctrl.steps,
-                                               env.task.step_budget)
-                prompt_ids = self.tokens.encode(messages, self.tools)
+            while not episode.done:
+                request = episode.request()
+                prompt_ids = self.tokens.encode(request.messages, self.tools)
                 if len(prompt_ids) > self.prompt_length:
-                    raise ValueError(f"{AGENT_LOOP_NAME}: step {len(traj.turns)} of task {task.id} has a "
+                    raise ValueError(f"{AGENT_LOOP_NAME}: step {request.step} of task {task.id} has a "
                                      f"{len(prompt_ids)}-token prompt, over actor_rollout_ref.rollout.prompt_length"
                                      f"={self.prompt_length}; raise data.max_prompt_length (a cut prompt would "
                                      "differ from what the policy sees at evaluation)")
@@ -478,27 +459,22 @@ def _build_agent_loop_class() -> type:
                 t_gen = time.perf_counter() - t0
                 response_ids = self.tokens.cut([int(t) for t in out.token_ids])[: self.response_length]
                 lp = list(out.log_probs[: len(response_ids)]) if out.log_probs else None
-                text, _stopped = self.tokens.decode(response_ids)
+                text, stopped = self.tokens.decode(response_ids)
                 t0 = time.perf_counter()
-                parsed = parse_action(text)
-                action = parsed.as_dict() if isinstance(parsed, ToolCall) else text
-                obs, info, call, done = step_episode(env, traj, parsed.reasoning, action, messages, text)
-                memory.add(call, info["error"], obs)
-                if not done and cfg.max_steps is not None and len(traj.turns) >= cfg.max_steps:
-                    done = traj.truncated = True
-                    traj.success = False
-                    traj.subgoals_met = env.ctrl.subgoal_progress()[0]
-                samples.append(StepSample(traj=0, step=len(traj.turns) - 1, anchor=anchor, prompt_ids=prompt_ids,
-                                          response_ids=response_ids, logprobs=lp or []))
-                logprobs.append(lp)
+                episode.record(request, Reply(text=text, prompt_ids=prompt_ids, response_ids=response_ids,
+                                              logprobs=lp, stopped=stopped))
                 gen_info.append({"generate": t_gen, "env": time.perf_counter() - t0,
                                  "num_preempted": out.num_preempted if out.num_preempted is not None else -1,
                                  "min_global_steps": out.extra_fields.get("min_global_steps"),
                                  "max_global_steps": out.extra_fields.get("max_global_steps")})
-                anchor = info["state_key"]
+            traj = episode.trajectory
+            samples = [StepSample(traj=0, step=k, anchor=anchor, prompt_ids=r.prompt_ids, response_ids=r.response_ids,
+                                  logprobs=r.logprobs or [])
+                       for k, (anchor, r) in enumerate(zip(episode.anchors, episode.replies, strict=True))]
+            logprobs = [r.logprobs for r in episode.replies]
 
             t0 = time.perf_counter()
-            verdict = self.episode.rewarder.score(traj)
+            verdict = setup.rewarder.score(traj)
             rewards = rollout_rewards(RolloutBatch(trajectories=[traj], groups=[0], samples=samples), [verdict],
                                       cfg.reward)
             t_score = time.perf_counter() - t0
@@ -555,15 +531,21 @@ def __getattr__(name: str) -> Any:
 # ------------------------------------------------------------------------------------------------ registration
 
 
-def register() -> dict[str, str | None]:
+def register(setup_loader: Callable[[str], EpisodeSetup] | None = None) -> dict[str, str | None]:
     """Register the estimator, the agent loop and the trainer mode with verl; idempotent (calling it again, in
-    any process, changes nothing). Returns the registered names; the trainer mode is None (with a warning)
-    where verl's v1 trainer cannot be imported (it needs TransferQueue: verl's `verl-core` / `vllm` extras).
+    any process, changes nothing). `setup_loader(recipe path) -> EpisodeSetup` is what the agent loop plays
+    episodes with (`pipeline.verl.register` passes the one that reads a recipe). Returns the registered names;
+    the trainer mode is None (with a warning) where verl's v1 trainer cannot be imported (it needs
+    TransferQueue: verl's `verl-core` / `vllm` extras).
 
     In a verl run every Ray worker calls it at start through
-    `+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=rl.verl_plugin.register`: verl picks the
+    `+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=pipeline.verl.register`: verl picks the
     trainer mode and runs the estimator inside its TaskRunner actor, not in the launching process.
     """
+    global _SETUP_LOADER
+    if setup_loader is not None and setup_loader is not _SETUP_LOADER:
+        _SETUP_LOADER = setup_loader
+        _episode_setup.cache_clear()
     core_algos = _verl("verl.trainer.ppo.core_algos")
     if core_algos.ADV_ESTIMATOR_REGISTRY.get(ESTIMATOR_NAME) is not compute_gigpo_advantage:
         core_algos.register_adv_est(ESTIMATOR_NAME)(compute_gigpo_advantage)  # verl refuses a name held by another
@@ -584,61 +566,17 @@ def register() -> dict[str, str | None]:
 # ------------------------------------------------------------------------------------------------ the dataset
 
 
-def dataset_rows(recipe, tasks, split: str) -> list[dict[str, Any]]:
-    """verl RL dataset rows, one per task: `prompt` (the task's first step prompt, which verl's dataset uses for
-    its length filter and logs), `task` (the TaskInstance as JSON, which the agent loop plays), `agent_name`,
-    `data_source`, `reward_model` and `extra_info.index`."""
-    from agent.prompt import StepMemory, build_step_messages
-    from sandbox.gym_env import SandboxEnv
-    env = SandboxEnv()
+def dataset_rows(tasks: Sequence[TaskInstance], split: str, data_source: str, memory_size: int = 4
+                 ) -> list[dict[str, Any]]:
+    """verl RL dataset rows, one per task: `prompt` (the task's first step prompt, as the episode loop builds it;
+    verl's dataset uses it for its length filter and logs), `task` (the TaskInstance as JSON, which the agent
+    loop plays), `agent_name`, `data_source`, `reward_model` and `extra_info.index`."""
     rows = []
+    env = SandboxEnv()
     for i, task in enumerate(tasks):
-        obs, _ = env.reset(seed=0, options={"task": task})
-        prompt = build_step_messages(task.instruction, env.known(), StepMemory(size=recipe.rl.memory_size), obs,
-                                     env.ctrl.steps, task.step_budget)
-        rows.append({"data_source": f"embodistill/{recipe.name}", "agent_name": AGENT_LOOP_NAME, "prompt": prompt,
+        prompt = Episode(env, "student", 0, {"task": task}, memory_size=memory_size).request().messages
+        rows.append({"data_source": data_source, "agent_name": AGENT_LOOP_NAME, "prompt": prompt,
                      "task": task.model_dump_json(),
                      "reward_model": {"style": "rule", "ground_truth": task.id},
                      "extra_info": {"index": i, "split": split, "task_id": task.id, "difficulty": task.difficulty}})
     return rows
-
-
-def write_dataset(recipe_path: str | Path, out: str | Path, show_progress: bool = True) -> dict[str, Path]:
-    """OUT/train.parquet (the recipe's train tasks at `rl.difficulties`) and OUT/val.parquet (its test tasks, the
-    first `rl.eval_tasks`), for verl's `data.train_files` / `data.val_files`."""
-    from datasets import Dataset
-
-    from pipeline.recipe import load_recipe
-    from pipeline.stages import build_tasks
-    recipe = load_recipe(recipe_path)
-    splits = build_tasks(recipe, show_progress=show_progress)[0]
-    diffs = set(recipe.rl.difficulties or ("easy", "medium", "hard"))
-    train = [t for t in splits["train"] if t.difficulty in diffs]
-    val = splits["test"][: recipe.rl.eval_tasks] if recipe.rl.eval_tasks else splits["test"]
-    if not train or not val:
-        raise ValueError(f"{recipe_path}: {len(train)} train and {len(val)} test tasks; both must be non-empty")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for split, tasks in (("train", train), ("val", val)):
-        paths[split] = out / f"{split}.parquet"
-        Dataset.from_list(dataset_rows(recipe, tasks, split)).to_parquet(str(paths[split]))
-    return paths
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rl.verl_plugin", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("data", help="write verl's train/val parquet files from a recipe's tasks")
-    d.add_argument("recipe", type=Path)
-    d.add_argument("--out", type=Path, required=True)
-    d.add_argument("--quiet", action="store_true")
-    args = ap.parse_args(argv)
-    paths = write_dataset(args.recipe, args.out, show_progress=not args.quiet)
-    for split, path in paths.items():
-        print(f"{split}: {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

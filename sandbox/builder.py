@@ -413,7 +413,7 @@ def _strip(env: dict) -> dict:
     return out
 
 
-class Draw:
+class Candidate:
     """A candidate instance under construction: env, personas, triggers, map bookkeeping."""
 
     def __init__(self, scene: ScenePack, env: dict, draft: Draft, rng: random.Random):
@@ -467,7 +467,7 @@ class Draw:
     # ------------------------------------------------------------ each obstacle kind
 
     def apply(self, kind: str, trace: dict) -> bool:
-        """Add one obstacle of this kind if the task allows it; otherwise leave the draw unchanged."""
+        """Add one obstacle of this kind if the task allows it; otherwise leave the cand unchanged."""
         saved = json.dumps([self.env, self.personas, self.triggers, sorted(self.on_map), sorted(self.off_map),
                             self.stale])
         if getattr(self, "_" + kind)(trace):
@@ -957,20 +957,20 @@ class ProceduralBuilder:
             inst, reason, solved = None, None, False
             for attempt in range(self.cfg.max_attempts):
                 arng = random.Random(f"{self.scene.id}:{seed}:{diff}:{attempt}")
-                draw = Draw(self.scene, lay["env"], draft, arng)
+                cand = Candidate(self.scene, lay["env"], draft, arng)
                 tid = f"{self.scene.id}-{split}-{seed}-{diff}"
                 try:
                     if base_trace is None:
-                        clean = draw.instance(tid, iid, "easy", lay["layout_id"], split, seed)
+                        clean = cand.instance(tid, iid, "easy", lay["layout_id"], split, seed)
                         cc, cs = solve(Compiled(clean))
                         if not cc.success:
                             reason = "oracle_failed"
                             break
                         base_trace = trace_of(cs, cc)
-                    if diff != "easy" and not self._obstacles(draw, diff, base_trace, tid, iid, lay, split, seed):
+                    if diff != "easy" and not self._obstacles(cand, diff, base_trace, tid, iid, lay, split, seed):
                         reason = "no_applicable_trigger"
                         continue
-                    cand = draw.instance(tid, iid, diff, lay["layout_id"], split, seed)
+                    cand = cand.instance(tid, iid, diff, lay["layout_id"], split, seed)
                 except ValidationError as e:
                     reason = "schema:" + str(e.errors()[0]["loc"][:2])
                     continue
@@ -984,37 +984,37 @@ class ProceduralBuilder:
             out.append(inst)
         return out
 
-    def _obstacles(self, draw: Draw, diff: str, trace: dict, tid, iid, lay, split, seed) -> bool:
+    def _obstacles(self, cand: Candidate, diff: str, trace: dict, tid, iid, lay, split, seed) -> bool:
         """Medium: one recoverable obstacle. Hard: two or more, each laid on the route the previous one forces
         (the plan is re-traced after each), and the person the plan must ask may be busy until asked twice."""
         def retrace() -> dict | None:
             try:
-                inst = draw.instance(tid, iid, diff, lay["layout_id"], split, seed)
+                inst = cand.instance(tid, iid, diff, lay["layout_id"], split, seed)
             except ValidationError:
                 return None
             ctrl, steps = solve(Compiled(inst))
             return trace_of(steps, ctrl) if ctrl.success else None
 
         kinds = list(MEDIUM_KINDS)
-        draw.rng.shuffle(kinds)
+        cand.rng.shuffle(kinds)
         need = 1 if diff == "medium" else self.cfg.hard_min_triggers
-        want = 1 if diff == "medium" else draw.rng.randint(need, 3)
+        want = 1 if diff == "medium" else cand.rng.randint(need, 3)
         applied = 0
         for k in kinds:
             if applied >= want:
                 break
-            if draw.apply(k, trace):
+            if cand.apply(k, trace):
                 applied += 1
                 if diff == "hard":
                     trace = retrace()
                     if trace is None:
                         return False
-        if (diff == "hard" or applied < need) and draw.apply("person_busy", trace):
+        if (diff == "hard" or applied < need) and cand.apply("person_busy", trace):
             applied += 1
         return applied >= need
 
 
-# a split's instances draw their seeds from their own range (test and any other split: 1_000_003 on)
+# a split's instances cand their seeds from their own range (test and any other split: 1_000_003 on)
 _SPLIT_SEED_OFFSETS = {"train": 0, "rl": 2_000_029}
 
 
@@ -1053,4 +1053,19 @@ def target_combos(task: TaskInstance) -> set[tuple[str, str | None]]:
             if color is not None and color.lower() not in words:
                 color = None
         out.add((ref.type, color))
+    return out
+
+
+def compositional_split(train: list[TaskInstance], test: list[TaskInstance]) -> list[TaskInstance]:
+    """Test tasks whose every target (type, colour) combination was never a target in training, although the
+    type and the colour each were (so the words are known and only the combination is new)."""
+    seen = set().union(*(target_combos(t) for t in train)) if train else set()
+    types = {c[0] for c in seen}
+    colors = {c[1] for c in seen if c[1]}
+    out = []
+    for t in test:
+        combos = target_combos(t)
+        if combos and all(c not in seen and c[0] in types and (c[1] is None or c[1] in colors) for c in combos) \
+                and any(c[1] for c in combos):
+            out.append(t)
     return out

@@ -7,37 +7,18 @@ leave the agent where it got to and teach it what stopped it, as a real world wo
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
 from typing import Any
 
 from sandbox.human import HumanAgent
 from sandbox.schema import TaskInstance
-from sandbox.skills import SKILLS, CallError, check_call
+from sandbox.skills import SKILLS, CallError, StepResult, check_call
+from sandbox.text import normalize, report_matches
 from sandbox.world import HELD, Compiled, World
 
-
-@dataclass(slots=True)
-class StepResult:
-    ok: bool
-    observation: str
-    error: str | None = None
-    trigger: str | None = None          # id of the trigger that fired (for judges and validation, never shown)
-    subgoals_met: list[str] = field(default_factory=list)
-    done: bool = False
-    success: bool = False
-    state_key: str = ""
-
-
-_WS = re.compile(r"[^a-z0-9]+")
 # skills whose handlers never change objects, people, restrictions, hidden places or blocked paths: the
 # state key reuses that part. Everything else (pick_up, place, open, close, operate, talk_to, ask_for_help)
 # refreshes it; tests compare every cached key with a fresh one.
 _OBJECTS_UNTOUCHED = frozenset({"navigate", "look_around", "search", "inspect", "report", "finish"})
-
-
-def norm(text: str) -> str:
-    return " ".join(_WS.sub(" ", text.lower()).split())
 
 
 class EnvController:
@@ -47,7 +28,7 @@ class EnvController:
         self.compiled = task if isinstance(task, Compiled) else Compiled(task)
         self.task = self.compiled.task
         self.human = human or HumanAgent(self.compiled)
-        self.w: World = self.compiled.initial  # replaced by a clone at reset(); never stepped before it
+        self.world: World = self.compiled.initial  # replaced by a clone at reset(); never stepped before it
         self.steps = 0
         self.fired: dict[str, int] = {}
         self.crossed: list[str] = []   # connections walked through (the builder reads it)
@@ -65,27 +46,27 @@ class EnvController:
         self.crossed = []
         c = self.compiled
         if world is not None:
-            self.w = world.clone()
+            self.world = world.clone()
             text = self.describe_place(first=True)
-            self.w.touch()
+            self.world.touch()
             self.reset_subgoals = self._latch()
             return text
         if c.reset_cache is None:  # the first observation is the same every episode: compute it once
-            self.w = c.initial.clone()
+            self.world = c.initial.clone()
             text = self.describe_place(first=True)
-            self.w.touch()
+            self.world.touch()
             met = self._latch()  # subgoals already true before any action are met at reset, not by it
-            self.w.state_key()
-            c.reset_cache = (self.w, text, met)
+            self.world.state_key()
+            c.reset_cache = (self.world, text, met)
         start, text, self.reset_subgoals = c.reset_cache
-        self.w = start.clone()
+        self.world = start.clone()
         return text
 
     def state_key(self) -> str:
-        return self.w.state_key()
+        return self.world.state_key()
 
     def subgoal_progress(self) -> tuple[int, int]:
-        return self.w.latched, len(self.task.subgoals)
+        return self.world.latched, len(self.task.subgoals)
 
     def validate(self, call: Any) -> tuple[str, dict[str, str]] | StepResult:
         """Check the call's shape against the skill specs: (name, arguments) or an error result."""
@@ -97,8 +78,8 @@ class EnvController:
         return checked
 
     def step(self, call: Any) -> StepResult:
-        if self.w is self.compiled.initial:  # stepping without reset(): never mutate the shared initial world
-            self.w = self.compiled.initial.clone()
+        if self.world is self.compiled.initial:  # stepping without reset(): never mutate the shared initial world
+            self.world = self.compiled.initial.clone()
         checked = self.validate(call)
         if isinstance(checked, StepResult):
             if checked.error != "episode_over":
@@ -108,56 +89,39 @@ class EnvController:
         name, args = checked
         res = self._handlers[name](**args)
         if name in _OBJECTS_UNTOUCHED:
-            self.w.touch()
+            self.world.touch()
         else:
-            self.w.touch_objects()
-        res.subgoals_met = self._latch() if self.w.latched < self._n_subgoals else []
+            self.world.touch_objects()
+        res.subgoals_met = self._latch() if self.world.latched < self._n_subgoals else []
         if name == "finish":
             self.done = res.done = True
-            self.w.finished = True
+            self.world.finished = True
             self.success = res.success = self.is_success()
         if res.trigger is not None:
             self.fired[res.trigger] = self.fired.get(res.trigger, 0) + 1
-        res.state_key = self.w.state_key()
+        res.state_key = self.world.state_key()
         return res
 
     def is_success(self) -> bool:
-        return self.w.latched == len(self.task.subgoals) and all(self.holds(p) for p in self.task.success)
+        return self.world.latched == len(self.task.subgoals) and all(self.holds(p) for p in self.task.success)
 
     # ------------------------------------------------------------------ helpers
 
     def _err(self, code: str, text: str, trigger: str | None = None) -> StepResult:
-        return StepResult(ok=False, observation=text, error=code, trigger=trigger, state_key=self.w.state_key())
+        return StepResult(ok=False, observation=text, error=code, trigger=trigger, state_key=self.world.state_key())
 
     def _ok(self, text: str) -> StepResult:
         return StepResult(ok=True, observation=text)
 
-    def _name(self, eid: str) -> str:
-        c = self.compiled
-        if eid in c.obj:
-            return c.obj[eid].name
-        if eid in c.place:
-            return c.place[eid].name
-        if eid in c.person:
-            return c.person[eid].name
-        if eid in c.conn:
-            x = c.conn[eid]
-            return f"{x.color + ' ' if x.color else ''}{x.kind} between {c.place[x.a].name} and {c.place[x.b].name}"
-        return eid
-
     def _label(self, eid: str) -> str:
-        return f"{self._name(eid)} [{eid}]"
+        return f"{self.compiled.display_name(eid)} [{eid}]"
 
     def _knows_obj(self, oid: str) -> bool:
-        return oid in self.compiled.obj and oid in self.w.known_obj
-
-    def _trigger(self, kind: str, target: str) -> str | None:
-        t = self.compiled.trigger_by.get((kind, target))
-        return t.id if t else None
+        return oid in self.compiled.obj and oid in self.world.known_obj
 
     def observe_here(self) -> list[str]:
         """Update the belief with what is in plain sight here; return the visible portable object ids."""
-        w, c = self.w, self.compiled
+        w, c = self.world, self.compiled
         here = w.agent_place
         seen = []
         learned = w.learned
@@ -216,7 +180,7 @@ class EnvController:
 
     def describe_place(self, first: bool = False) -> str:
         """The observation of the current place: what is in plain sight, who is here, the exits, holdings."""
-        w, c = self.w, self.compiled
+        w, c = self.world, self.compiled
         here = w.agent_place
         seen = c.fixtures_at[here] + self.observe_here()
         label, obj_state = c.label, w.obj
@@ -245,7 +209,7 @@ class EnvController:
     # ------------------------------------------------------------------ skills
 
     def _do_navigate(self, target: str) -> StepResult:
-        w, c = self.w, self.compiled
+        w, c = self.world, self.compiled
         if target in c.place and target in w.known_places:
             dest, obj = target, None
         elif self._knows_obj(target) and w.known_obj[target] is not None:
@@ -256,7 +220,7 @@ class EnvController:
             if kl in c.obj and w.known_obj.get(kl) is not None and w.known_obj[kl] in c.place:
                 dest = w.known_obj[kl]
         else:
-            tid = self._trigger("person_knowledge", target) or c.hidden_trigger.get(target)
+            tid = self.compiled.trigger_id("person_knowledge", target) or c.hidden_trigger.get(target)
             if tid:
                 # same words as for any unknown id: the agent must not learn that it exists
                 return self._err("unknown_entity", f"You don't know any place or object called {target[:40]!r}.",
@@ -277,16 +241,16 @@ class EnvController:
             if w.blocked[cid]:
                 w.learn("blocked:" + cid)
                 stop = (f"The way from the {c.place[w.agent_place].name} to the {c.place[nxt].name} is blocked.",
-                        self._trigger("blocked_path", cid))
+                        self.compiled.trigger_id("blocked_path", cid))
             elif w.door[cid] == "locked":
                 w.learn("locked:" + cid)
                 w.known_door[cid] = "locked"
                 stop = (f"The {x.kind} {cid} to the {c.place[nxt].name} is locked.",
-                        self._trigger("locked_door", cid))
+                        self.compiled.trigger_id("locked_door", cid))
             elif w.restricted[nxt] and ("permit:" + nxt) not in w.learned:
                 w.learn("restricted:" + nxt)
                 stop = (f"The {c.place[nxt].name} is a restricted area: you need permission to enter.",
-                        self._trigger("restricted_area", nxt))
+                        self.compiled.trigger_id("restricted_area", nxt))
             if stop:
                 text = stop[0]
                 if moved:
@@ -308,7 +272,7 @@ class EnvController:
                 text = f"You stand next to the {c.obj[obj].name}. " + text
             else:
                 w.known_obj[obj] = None
-                tid = self._trigger("object_moved", obj)
+                tid = self.compiled.trigger_id("object_moved", obj)
                 return StepResult(ok=False, observation=f"The {c.obj[obj].name} is not where you last saw it. "
                                   + text, error="trigger_fired" if tid else "precondition_unmet", trigger=tid)
         return self._ok(text)
@@ -317,8 +281,8 @@ class EnvController:
         return self._ok(self.describe_place())
 
     def _do_search(self, query: str) -> StepResult:
-        w, c = self.w, self.compiled
-        q = norm(query)
+        w, c = self.world, self.compiled
+        q = normalize(query)
         if not q:
             return self._err("bad_argument_value", "search.query has no words.")
         found = []
@@ -335,7 +299,7 @@ class EnvController:
         if not found:
             tid = None
             for t in c.triggers:
-                if t.kind == "person_knowledge" and t.target in c.obj and q in norm(c.obj[t.target].type):
+                if t.kind == "person_knowledge" and t.target in c.obj and q in normalize(c.obj[t.target].type):
                     tid = t.id
             res = self._ok(f"You search the {c.place[here].name} but find no {query[:40]}.")
             res.trigger = tid
@@ -347,7 +311,7 @@ class EnvController:
         return self._ok("You find: " + ", ".join(descr) + ".")
 
     def _here_object(self, oid: str, verb: str) -> StepResult | None:
-        w, c = self.w, self.compiled
+        w, c = self.world, self.compiled
         if not self._knows_obj(oid):
             return self._err("unknown_entity", f"You don't know any object called {oid[:40]!r}.")
         if w.obj[oid]["loc"] == HELD:
@@ -358,7 +322,7 @@ class EnvController:
                 believed_here = kl == w.agent_place or (kl in c.obj and w.place_of(kl) == w.agent_place)
                 if believed_here:
                     w.known_obj[oid] = None
-                    tid = self._trigger("object_moved", oid)
+                    tid = self.compiled.trigger_id("object_moved", oid)
                     return StepResult(ok=False, observation=f"The {c.obj[oid].name} is not here any more.",
                                       error="trigger_fired" if tid else "precondition_unmet", trigger=tid)
             return self._err("precondition_unmet", f"The {c.obj[oid].name} is not within reach here; you cannot "
@@ -366,7 +330,7 @@ class EnvController:
         return None
 
     def _do_inspect(self, target: str) -> StepResult:
-        w, c = self.w, self.compiled
+        w, c = self.world, self.compiled
         if target in c.conn and target in w.known_conns:
             x = c.conn[target]
             if w.agent_place not in (x.a, x.b):
@@ -383,7 +347,7 @@ class EnvController:
             w.learned.add(f"state:{target}:open={st == 'open'}")
             w.learned.add(f"state:{target}:locked={st == 'locked'}")
             w.learned.add("inspected:" + target)
-            return self._ok(f"The {self._name(target)} is {st}.{extra}")
+            return self._ok(f"The {c.display_name(target)} is {st}.{extra}")
         bad = self._here_object(target, "inspect")
         if bad:
             return bad
@@ -415,7 +379,7 @@ class EnvController:
         return self._ok(text)
 
     def _identified(self, trig_target: str, candidates: list[str]) -> bool:
-        ln = self.w.learned
+        ln = self.world.learned
         owner = self.compiled.obj[trig_target].owner
         if f"owner:{trig_target}={owner}" in ln or ("identified:" + trig_target) in ln:
             return True
@@ -423,7 +387,7 @@ class EnvController:
         return bool(others) and all(any(f.startswith(f"owner:{x}=") for f in ln) for x in others)
 
     def _do_pick_up(self, object: str) -> StepResult:  # noqa: A002 - the skill's argument name
-        w, c = self.w, self.compiled
+        w, c = self.world, self.compiled
         bad = self._here_object(object, "pick up")
         if bad:
             return bad
@@ -441,12 +405,12 @@ class EnvController:
                                               "you are not sure which one is the right one.")
         if s["heavy"]:
             w.learned.add("heavy:" + object)
-            tid = self._trigger("too_heavy", object)
+            tid = self.compiled.trigger_id("too_heavy", object)
             return StepResult(ok=False, observation=f"The {o.name} is too heavy to lift alone.",
                               error="trigger_fired" if tid else "precondition_unmet", trigger=tid)
         if s["fragile"] and w.holding:
             w.learned.add("fragile:" + object)
-            tid = self._trigger("fragile_item", object)
+            tid = self.compiled.trigger_id("fragile_item", object)
             return StepResult(ok=False, observation=f"The {o.name} is fragile: you need both hands free to "
                                                     "carry it safely.",
                               error="trigger_fired" if tid else "precondition_unmet", trigger=tid)
@@ -461,7 +425,7 @@ class EnvController:
         return self._ok(f"You pick up the {o.name}.")
 
     def _do_place(self, object: str, target: str) -> StepResult:  # noqa: A002
-        w, c = self.w, self.compiled
+        w, c = self.world, self.compiled
         if object not in w.holding:
             if not self._knows_obj(object):
                 return self._err("unknown_entity", f"You don't know any object called {object[:40]!r}.")
@@ -494,10 +458,10 @@ class EnvController:
 
     def _door_here(self, cid: str) -> bool:
         x = self.compiled.conn[cid]
-        return self.w.agent_place in (x.a, x.b)
+        return self.world.agent_place in (x.a, x.b)
 
     def _do_open(self, target: str) -> StepResult:
-        w, c = self.w, self.compiled
+        w, c = self.world, self.compiled
         if target in c.conn and target in w.known_conns:
             if c.conn[target].door is None:
                 return self._err("precondition_unmet", f"{target} has no door to open.")
@@ -505,20 +469,20 @@ class EnvController:
                 return self._err("precondition_unmet", f"You are not next to {target}.")
             st = w.door[target]
             if st == "open":
-                return self._err("precondition_unmet", f"The {self._name(target)} is already open.")
+                return self._err("precondition_unmet", f"The {c.display_name(target)} is already open.")
             if st == "locked":
                 key = next((k for k in w.holding if c.obj[k].opens == target), None)
                 if key is None:
                     w.learn("locked:" + target)
                     w.known_door[target] = "locked"
-                    tid = self._trigger("locked_door", target)
-                    return StepResult(ok=False, observation=f"The {self._name(target)} is locked.",
+                    tid = self.compiled.trigger_id("locked_door", target)
+                    return StepResult(ok=False, observation=f"The {c.display_name(target)} is locked.",
                                       error="trigger_fired" if tid else "precondition_unmet", trigger=tid)
                 w.door[target] = w.known_door[target] = "open"
                 w.unlearn("locked:" + target)
-                return self._ok(f"You unlock the {self._name(target)} with the {c.obj[key].name} and open it.")
+                return self._ok(f"You unlock the {c.display_name(target)} with the {c.obj[key].name} and open it.")
             w.door[target] = w.known_door[target] = "open"
-            return self._ok(f"You open the {self._name(target)}.")
+            return self._ok(f"You open the {c.display_name(target)}.")
         bad = self._here_object(target, "open")
         if bad:
             return bad
@@ -544,14 +508,14 @@ class EnvController:
                                                      " It is empty."))
 
     def _do_close(self, target: str) -> StepResult:
-        w, c = self.w, self.compiled
+        w, c = self.world, self.compiled
         if target in c.conn and target in w.known_conns:
             if c.conn[target].door is None or not self._door_here(target):
                 return self._err("precondition_unmet", f"There is no door {target} next to you.")
             if w.door[target] != "open":
-                return self._err("precondition_unmet", f"The {self._name(target)} is not open.")
+                return self._err("precondition_unmet", f"The {c.display_name(target)} is not open.")
             w.door[target] = w.known_door[target] = "closed"
-            return self._ok(f"You close the {self._name(target)}.")
+            return self._ok(f"You close the {c.display_name(target)}.")
         bad = self._here_object(target, "close")
         if bad:
             return bad
@@ -564,7 +528,7 @@ class EnvController:
         return self._ok(f"You close the {o.name}.")
 
     def _do_operate(self, device: str, action: str) -> StepResult:
-        w, c = self.w, self.compiled
+        w, c = self.world, self.compiled
         bad = self._here_object(device, "operate")
         if bad:
             return bad
@@ -576,14 +540,14 @@ class EnvController:
             return self._err("precondition_unmet", f"The {o.name} is already {'on' if want else 'off'}.")
         if want and s["broken"]:
             w.learned.add("broken:" + device)
-            tid = self._trigger("device_malfunction", device)
+            tid = self.compiled.trigger_id("device_malfunction", device)
             return StepResult(ok=False, observation=f"The {o.name} beeps and shows an error; it does not start.",
                               error="trigger_fired" if tid else "precondition_unmet", trigger=tid)
         s["on"] = want
         return self._ok(f"You turn the {o.name} {'on' if want else 'off'}.")
 
     def _person_here(self, person: str, nearby: bool = True) -> StepResult | None:
-        w, c = self.w, self.compiled
+        w, c = self.world, self.compiled
         known = person in c.person and person in w.known_person
         if not known:
             return self._err("unknown_entity", f"You don't know anyone called {person[:40]!r}.")
@@ -595,7 +559,7 @@ class EnvController:
         bad = self._person_here(person)
         if bad:
             return bad
-        return self.human.talk(self, person, topic, message)
+        return self.human.talk(self.world, person, topic, message)
 
     def _do_ask_for_help(self, person: str, request: str, target: str, reason: str,
                          destination: str = "") -> StepResult:
@@ -604,10 +568,10 @@ class EnvController:
         bad = self._person_here(person, nearby=rule.requires_nearby if rule else True)
         if bad:
             return bad
-        return self.human.help(self, person, request, target, reason, destination)
+        return self.human.help_with(self.world, person, request, target, reason, destination)
 
     def _do_report(self, answer: str) -> StepResult:
-        self.w.reports.append(answer)
+        self.world.reports.append(answer)
         return self._ok(f"You report: {answer}")
 
     def _do_finish(self, summary: str = "") -> StepResult:
@@ -616,7 +580,7 @@ class EnvController:
     # ------------------------------------------------------------------ predicates
 
     def holds(self, p) -> bool:
-        w, k = self.w, p.kind
+        w, k = self.world, p.kind
         if k == "agent_at":
             return w.agent_place == p.place
         if k == "agent_near":
@@ -649,22 +613,9 @@ class EnvController:
     def _latch(self) -> list[str]:
         """Subgoals are met in order; each stays met once reached."""
         met, sg = [], self.task.subgoals
-        while self.w.latched < len(sg) and self.holds(sg[self.w.latched].predicate):
-            met.append(sg[self.w.latched].id)
-            self.w.latched += 1
+        while self.world.latched < len(sg) and self.holds(sg[self.world.latched].predicate):
+            met.append(sg[self.world.latched].id)
+            self.world.latched += 1
         if met:
-            self.w.touch()
+            self.world.touch()
         return met
-
-
-_NEGATIONS = {"not", "no", "isn", "isnt", "never", "un"}
-
-
-def report_matches(answer: str, value: str, aliases: list[str], excludes: list[str] = ()) -> bool:
-    """A short report that names the value (or an alias) as whole words, without negating it."""
-    a = f" {norm(answer)} "
-    if len(a.split()) > 16:
-        return False
-    if any(f" {n} " in a for n in _NEGATIONS) or any(f" {norm(x)} " in a for x in excludes if norm(x)):
-        return False
-    return any(f" {norm(v)} " in a for v in [value, *aliases] if norm(v))

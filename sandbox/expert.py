@@ -27,23 +27,23 @@ class Knowledge:
         self.ctrl, self.c, self.priv = ctrl, ctrl.compiled, privileged
 
     @property
-    def w(self) -> World:
-        return self.ctrl.w
+    def world(self) -> World:
+        return self.ctrl.world
 
     # the agent always knows where it is and what it holds
     @property
     def here(self) -> str:
-        return self.w.agent_place
+        return self.world.agent_place
 
     @property
     def holding(self) -> list[str]:
-        return self.w.holding
+        return self.world.holding
 
     def loc(self, oid: str) -> str | None:
         if self.priv:
-            loc = self.w.obj[oid]["loc"]
+            loc = self.world.obj[oid]["loc"]
             return loc
-        return self.w.known_obj.get(oid)
+        return self.world.known_obj.get(oid)
 
     def place_of_loc(self, loc: str | None) -> str | None:
         if loc is None:
@@ -52,7 +52,7 @@ class Knowledge:
             return self.here
         for _ in range(16):
             if loc in self.c.place:  # a place missing from the agent's map cannot be walked to yet
-                return loc if loc in self.w.known_places else None
+                return loc if loc in self.world.known_places else None
             nxt = self.loc(loc) if loc in self.c.obj else None
             if nxt is None:
                 return None
@@ -63,14 +63,14 @@ class Knowledge:
         return self.place_of_loc(self.loc(oid))
 
     def known(self, oid: str) -> bool:
-        return oid in self.w.known_obj
+        return oid in self.world.known_obj
 
     def matching(self, ref: ObjectRef) -> list[str]:
         """Objects the agent knows of that fit the instruction's description (type, colour, owner)."""
         if ref.id is not None:
-            return [ref.id] if ref.id in self.c.obj and (self.priv or ref.id in self.w.known_obj) else []
+            return [ref.id] if ref.id in self.c.obj and (self.priv or ref.id in self.world.known_obj) else []
         out = []
-        ids = self.c.obj_order if self.priv else [o for o in self.c.obj_order if o in self.w.known_obj]
+        ids = self.c.obj_order if self.priv else [o for o in self.c.obj_order if o in self.world.known_obj]
         for oid in ids:
             o = self.c.obj[oid]
             if o.type != ref.type or (ref.color and o.color != ref.color):
@@ -84,7 +84,7 @@ class Knowledge:
     def owner(self, oid: str) -> str | None:
         if self.priv:
             return self.c.obj[oid].owner
-        for f in self.w.learned:
+        for f in self.world.learned:
             if f.startswith(f"owner:{oid}="):
                 return f.split("=", 1)[1]
         return None
@@ -92,8 +92,8 @@ class Knowledge:
     def flag(self, kind: str, eid: str) -> bool:
         """An obstacle fact: locked / blocked / restricted / broken / heavy / fragile."""
         if not self.priv:
-            return f"{kind}:{eid}" in self.w.learned
-        w = self.w
+            return f"{kind}:{eid}" in self.world.learned
+        w = self.world
         if kind == "locked":
             return w.door.get(eid) == "locked"
         if kind == "blocked":
@@ -103,7 +103,7 @@ class Knowledge:
         return bool(w.obj[eid][kind]) if eid in w.obj else False
 
     def route(self, goal: str, avoid: bool = True) -> list[tuple[str, str]] | None:
-        w = self.w
+        w = self.world
         if goal not in w.known_places:
             return None
         if not self.priv or not avoid:
@@ -115,13 +115,13 @@ class Knowledge:
 
     def person_place(self, pid: str) -> str | None:
         if self.priv:
-            return self.w.person_place[pid]
-        return self.w.known_person.get(pid)
+            return self.world.person_place[pid]
+        return self.world.known_person.get(pid)
 
     def people(self) -> list[str]:
         if self.priv:
             return list(self.c.person)
-        return [p for p in self.c.person if p in self.w.known_person]
+        return [p for p in self.c.person if p in self.world.known_person]
 
     def can_help(self, pid: str, request: str) -> bool:
         if self.priv:
@@ -224,7 +224,7 @@ class ExpertPlanner:
     # ------------------------------------------------------------------ names for thoughts
 
     def _n(self, eid: str) -> str:
-        return self.ctrl._name(eid)
+        return self.ctrl.compiled.display_name(eid)
 
     # ------------------------------------------------------------------ stages
 
@@ -236,7 +236,7 @@ class ExpertPlanner:
             oid = self.resolve(g.object)
             if oid is None:
                 return self.find(g.object)
-            if self.ctrl.w.agent_near == oid:
+            if self.ctrl.world.agent_near == oid:
                 return None
             p = k.place_of(oid)
             if p is None:
@@ -263,7 +263,7 @@ class ExpertPlanner:
             if p != k.here:
                 return self.move_to(p, f"the {self._n(oid)} is in the {self._n(p)}")
             state = self._seen_state(oid, g.attribute)
-            if state is None or ("inspected:" + oid) not in self.ctrl.w.learned:  # check it properly
+            if state is None or ("inspected:" + oid) not in self.ctrl.world.learned:  # check it properly
                 return (f"I'll inspect the {self._n(oid)} to see whether it is {g.attribute}.",
                         _call("inspect", target=oid))
             word = _STATE_WORDS[g.attribute][state]
@@ -295,7 +295,7 @@ class ExpertPlanner:
                     _call("operate", device=oid, action=g.action))
         if g.op == "open_door":
             d = g.door
-            if self.ctrl.w.known_door.get(d) == "open":
+            if self.ctrl.world.known_door.get(d) == "open":
                 return None
             return self.open_door(d)
         if g.op == "fetch":
@@ -309,7 +309,7 @@ class ExpertPlanner:
         return f.question if f else fid
 
     def _seen_where_it_is(self, oid: str) -> bool:
-        w = self.ctrl.w
+        w = self.ctrl.world
         kl = w.known_obj.get(oid)
         if kl is None:
             return False
@@ -319,7 +319,7 @@ class ExpertPlanner:
 
     def _seen_state(self, oid: str, attr: str) -> bool | None:
         for v in (True, False):
-            if f"state:{oid}:{attr}={v}" in self.ctrl.w.learned:
+            if f"state:{oid}:{attr}={v}" in self.ctrl.world.learned:
                 return v
         return None
 
@@ -353,8 +353,8 @@ class ExpertPlanner:
             if target is None:
                 self.m.gave_up = True
                 return self.act()
-            p = self.ctrl.w.place_of(target)
-            if p in self.ctrl.w.known_places:
+            p = self.ctrl.world.place_of(target)
+            if p in self.ctrl.world.known_places:
                 if p != k.here:
                     return self.move_to(p, f"the {q} is in the {self._n(p)}")
                 return (f"The {q} should be here; I'll search.", _call("search", query=q))
@@ -373,7 +373,7 @@ class ExpertPlanner:
         # the nearest person not yet asked or unsearched place; those behind a known obstacle come last
         # (reaching them means dealing with it: a key, a detour or a helper)
         def cost(place: str) -> float | None:
-            return self.ctrl.w.route_cost(place, k.route)
+            return self.ctrl.world.route_cost(place, k.route)
 
         options = []
         for pid in k.people():
@@ -384,7 +384,7 @@ class ExpertPlanner:
                     options.append((d + 0.5, "person", pid, pp))
         # places not yet visited, in the order the prompt lists them (`World.unvisited`), then visited ones with
         # closed things not yet searched for it
-        w = self.ctrl.w
+        w = self.ctrl.world
         options += [(d, "place", p, p) for d, p in w.unvisited(k.route) if (p, q) not in self.m.searched]
         for p in sorted(w.visited):
             if p != k.here and (p, q) not in self.m.searched and self._needs_search(p):
@@ -402,13 +402,13 @@ class ExpertPlanner:
 
     def _needs_search(self, place: str) -> bool:
         """Only places with closed things to look into need a search; the rest are seen on arrival."""
-        c, w = self.ctrl.compiled, self.ctrl.w
+        c, w = self.ctrl.compiled, self.ctrl.world
         return any(c.obj[o].openable and loc == place and f"state:{o}:open=True" not in w.learned
                    for o, loc in w.known_obj.items() if o in c.obj and loc is not None)
 
     def reveal_here(self, oid: str):
         """The object should be here: look inside its container or search."""
-        k, w = self.k, self.ctrl.w
+        k, w = self.k, self.ctrl.world
         q = self.ctrl.compiled.obj[oid].type.replace("_", " ")
         loc = k.loc(oid)
         hidden_inside = (not w.visible(oid)) if self.priv else (not self._believed_visible(oid))
@@ -426,11 +426,11 @@ class ExpertPlanner:
         k = self.k
         if place == k.here:
             return None
-        if place not in self.ctrl.w.known_places:
+        if place not in self.ctrl.world.known_places:
             self.m.gave_up = True
             return self.act()
         if k.route(place) is not None:
-            if obj is not None and self.ctrl.w.known_obj.get(obj) == place:
+            if obj is not None and self.ctrl.world.known_obj.get(obj) == place:
                 return (f"{_cap(why)}, so I'll walk up to the {self._n(obj)}.", _call("navigate", target=obj))
             return (f"{_cap(why)}, so I'll go to the {self._n(place)}.", _call("navigate", target=place))
         # commit to one obstacle until it is gone, so the planner does not wander between helpers
@@ -461,7 +461,7 @@ class ExpertPlanner:
 
     def _first_obstacle(self, place: str):
         """The first known obstacle on the known route that crosses the fewest obstacles."""
-        k, w = self.k, self.ctrl.w
+        k, w = self.k, self.ctrl.world
         start = k.here
         best = {start: 0}
         prev: dict[str, tuple[str, str]] = {}
@@ -558,7 +558,7 @@ class ExpertPlanner:
 
     def acquire(self, oid: str, why: str):
         """Get an object into the agent's hands (with every obstacle the pick-up can meet)."""
-        k, c, w = self.k, self.ctrl.compiled, self.ctrl.w
+        k, c, w = self.k, self.ctrl.compiled, self.ctrl.world
         if oid in k.holding:
             return None
         p = k.place_of(oid)
@@ -604,7 +604,7 @@ class ExpertPlanner:
 
     def _believed_visible(self, oid: str) -> bool:
         """From the belief alone: seen here in plain sight, on a surface, or in a container seen open."""
-        c, w = self.ctrl.compiled, self.ctrl.w
+        c, w = self.ctrl.compiled, self.ctrl.world
         kl = w.known_obj.get(oid)
         if kl is None:
             return False
@@ -616,7 +616,7 @@ class ExpertPlanner:
         return False
 
     def fetch(self, g: GoalStep):
-        k, c, w = self.k, self.ctrl.compiled, self.ctrl.w
+        k, c, w = self.k, self.ctrl.compiled, self.ctrl.world
         oid = self.resolve(g.object)
         if oid is None:
             return self.find(g.object)

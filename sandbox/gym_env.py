@@ -1,4 +1,37 @@
-"""Gymnasium env `embodistill/Sandbox-v0`: one task per episode, actions are tool calls or model text."""
+"""Gymnasium env `embodistill/Sandbox-v0`: one task per episode, one skill call per step.
+
+    import gymnasium as gym, sandbox
+    env = gym.make("embodistill/Sandbox-v0")
+    obs, info = env.reset(seed=0, options={"task": task})          # a TaskInstance or its dict
+    obs, reward, terminated, truncated, info = env.step({"name": "navigate", "arguments": {"target": "hall"}})
+
+The env is the contract between the sandbox and everything above it: the episode loop (`agent.episode`), its
+recorder, the judges and the prompt builder read what they need from `info`; nothing outside `sandbox/`
+reaches into the controller.
+
+An action is a skill call `{"name": SKILL, "arguments": {...}}`, which the EnvController validates (a bad call
+gets a typed error observation, never an exception), or `{"parse_error": MESSAGE}` when the agent's output held
+no readable call: the step counts and the observation says why (the episode loop parses model text once,
+with `agent.parser`, and passes one of the two).
+
+`info`, after `reset` and after every `step`:
+
+    state_key        a stable hash of the state that matters (GiGPO's anchor states)
+    steps            steps taken so far; `step_budget` the task's budget (the episode is truncated there)
+    error, trigger   the error code of the step (None when it worked) and the trigger that fired, if any
+    success          whether the task is done (set when the agent calls `finish`)
+    subgoals_met     the subgoal ids this step met (after `reset`: those the initial state already meets)
+    subgoals_done    how many subgoals are met so far, of `subgoals_total`
+    place, holding   where the agent is and what it holds
+    learned          the facts the agent's belief gained this step, sorted (`seen:ID`, `locked:ID`, ...)
+    known            the agent's belief as the prompt builder renders it (`agent.prompt.render_known`)
+    human_reply      what a person said when the step talked to someone or asked for help, else None
+    answer           the answer of a `report` the controller accepted, else None
+
+`reset` adds `task`: id, instruction, difficulty, scene, subgoals ([{id, description, kind}]), optimal_steps,
+step_budget: what a trajectory records about its episode. The reward is the sandbox's own signal, 1.0 when
+the episode ends in success, else 0.0 (the reward engine adds turn-level rewards on top).
+"""
 
 from __future__ import annotations
 
@@ -8,22 +41,18 @@ from typing import Any
 import gymnasium as gym
 from gymnasium import spaces
 
-from sandbox.controller import EnvController, StepResult
+from sandbox.controller import EnvController
 from sandbox.observation import known_map
 from sandbox.schema import TaskInstance
+from sandbox.skills import StepResult
 from sandbox.world import Compiled
 
 _CHARSET = string.printable
+HELP_SKILLS = ("talk_to", "ask_for_help")
 
 
 class SandboxEnv(gym.Env):
-    """`reset(seed, options={"task": TaskInstance | dict})`; `step(action)` with a dict tool call or raw text.
-
-    The observation is the text the agent may see this step; `known()` gives the agent's belief map for the
-    prompt builder. `info` carries `state_key`, `error` (None or a code), `subgoals_met`, `success`.
-    Reward is the sandbox's own signal: 1.0 when the episode ends in success, else 0.0 (the reward engine
-    adds turn-level rewards on top).
-    """
+    """`reset(seed, options={"task": TaskInstance | dict})`; `step(call)`. See the module docstring for `info`."""
 
     metadata = {"render_modes": ["ansi"]}
     cache_size = 4096  # compiled tasks kept per env (a split cycles through the same tasks)
@@ -31,18 +60,19 @@ class SandboxEnv(gym.Env):
     def __init__(self, task: TaskInstance | dict | None = None, render_mode: str | None = None,
                  human_factory=None):
         # human_factory(compiled) -> HumanAgent: who answers the agent (default: the rule persona); the
-        # LLM-worded persona (sandbox.llm_persona) plugs in here
+        # LLM-worded persona (agent.llm_persona) plugs in here
         self.human_factory = human_factory
         self.observation_space = spaces.Text(max_length=16_384, charset=_CHARSET)
-        self.action_space = spaces.Text(max_length=4_096, charset=_CHARSET)
+        self.action_space = spaces.Dict({"name": spaces.Text(max_length=64, charset=_CHARSET),
+                                         "arguments": spaces.Dict({})})
         self.render_mode = render_mode
         self._compiled: Compiled | None = None
         self._source: Any = None
         self.ctrl: EnvController | None = None
         self._last_obs = ""
         self.last_result: StepResult | None = None  # the controller's result of the last step (None after reset)
-        self._cache: dict[int, tuple] = {}
-        self._pending_seed: int | None = None   # id(task) -> (task, Compiled, EnvController)
+        self._cache: dict[int, tuple] = {}   # id(task) -> (task, Compiled, EnvController)
+        self._pending_seed: int | None = None
         if task is not None:
             self._use(task)
 
@@ -91,6 +121,8 @@ class SandboxEnv(gym.Env):
     def np_random(self, value) -> None:
         self._np_random = value
 
+    # ------------------------------------------------------------------ the contract
+
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         if seed is not None:
             self._pending_seed, self._np_random = seed, None
@@ -102,40 +134,49 @@ class SandboxEnv(gym.Env):
             self.ctrl = self._controller(self._compiled)
         self._last_obs = self.ctrl.reset()
         self.last_result = None
-        info = {"state_key": self.ctrl.state_key(), "error": None, "subgoals_met": [], "success": False,
-                "steps": 0}
+        task = self.task
+        info = self._info(StepResult(ok=True, observation=self._last_obs, subgoals_met=list(self.ctrl.reset_subgoals),
+                                     state_key=self.ctrl.state_key()), learned=sorted(self.ctrl.world.learned))
+        info["task"] = {"id": task.id, "instruction": task.instruction, "difficulty": task.difficulty,
+                        "scene": task.scene, "optimal_steps": task.optimal_steps, "step_budget": task.step_budget,
+                        "subgoals": [{"id": g.id, "description": g.description, "kind": g.predicate.kind}
+                                     for g in task.subgoals]}
         return self._last_obs, info
 
-    def step(self, action: Any):
+    def step(self, action: dict):
         if self.ctrl is None:
             raise RuntimeError("call reset() before step()")
         ctrl = self.ctrl
-        if isinstance(action, dict) and "tool_calls" not in action:
-            res = ctrl.step(action)
-        else:
-            from agent.parser import ParseError, parse_action
-            parsed = parse_action(action)
-            if isinstance(parsed, ParseError):
-                if ctrl.done:
-                    res = ctrl.step(None)
-                else:
-                    ctrl.steps += 1
-                    res = StepResult(ok=False, observation=f"I could not read a skill call: {parsed.message}.",
-                                     error="parse_error", state_key=ctrl.state_key())
+        before = set(ctrl.world.learned)
+        if isinstance(action, dict) and "parse_error" in action and "name" not in action:
+            if ctrl.done:
+                res = ctrl.step(None)
             else:
-                res = ctrl.step(parsed.as_dict())
+                ctrl.steps += 1
+                res = StepResult(ok=False, observation=f"I could not read a skill call: {action['parse_error']}.",
+                                 error="parse_error", state_key=ctrl.state_key())
+        else:
+            res = ctrl.step(action)
         self._last_obs = res.observation
         self.last_result = res
         terminated = ctrl.done
         truncated = not terminated and ctrl.steps >= self._compiled.task.step_budget
         reward = 1.0 if (terminated and ctrl.success) else 0.0
-        info = {"state_key": res.state_key, "error": res.error, "subgoals_met": res.subgoals_met,
-                "success": ctrl.success, "steps": ctrl.steps, "trigger": res.trigger}
+        info = self._info(res, learned=sorted(ctrl.world.learned - before))
+        name = action.get("name") if isinstance(action, dict) else None
+        info["human_reply"] = res.observation if name in HELP_SKILLS and " says: " in res.observation else None
+        if name == "report" and res.error is None and isinstance(action.get("arguments"), dict):
+            info["answer"] = action["arguments"].get("answer")
         return res.observation, reward, terminated, truncated, info
 
-    def known(self) -> dict:
-        """The agent's belief: known map, last-known positions, learned facts (what the prompt shows)."""
-        return known_map(self.ctrl.w)
+    def _info(self, res: StepResult, learned: list[str]) -> dict:
+        ctrl, world = self.ctrl, self.ctrl.world
+        done, total = ctrl.subgoal_progress()
+        return {"state_key": res.state_key, "steps": ctrl.steps, "step_budget": self._compiled.task.step_budget,
+                "error": res.error, "trigger": res.trigger, "success": ctrl.success,
+                "subgoals_met": res.subgoals_met, "subgoals_done": done, "subgoals_total": total,
+                "place": world.agent_place, "holding": list(world.holding), "learned": learned,
+                "known": known_map(world), "human_reply": None, "answer": None}
 
     def render(self):
         return self._last_obs

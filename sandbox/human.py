@@ -2,19 +2,15 @@
 
 The default is rule-driven and deterministic: a persona's capabilities, knowledge and assistance policy
 (state a reason, only once, only if nearby, busy until asked again) decide the reply and the effect. The
-LLM-backed persona (`sandbox.llm_persona`) plugs in by subclassing and overriding `phrase` and
+LLM-backed persona (`agent.llm_persona`) plugs in by subclassing and overriding `phrase` and
 `knowledge_text`, keeping the same effects so the world stays consistent.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from sandbox.world import HELD
-
-if TYPE_CHECKING:  # pragma: no cover
-    from sandbox.controller import EnvController, StepResult
-    from sandbox.world import Compiled
+from sandbox.skills import StepResult
+from sandbox.text import normalize
+from sandbox.world import HELD, Compiled, World
 
 _STYLE = {
     "friendly": {"busy": "Oh, sorry, I'm in the middle of something. Could you ask me again in a moment?",
@@ -33,104 +29,100 @@ _STYLE = {
 }
 
 
-def _norm(text: str) -> str:
-    from sandbox.controller import norm
-    return norm(text)
-
-
 class HumanAgent:
-    def __init__(self, compiled: "Compiled"):
-        self.c = compiled
+    def __init__(self, compiled: Compiled):
+        self.compiled = compiled
 
     # ----------------------------------------------------------------- language
 
     def phrase(self, person: str, key: str) -> str:
-        persona = self.c.persona.get(person)
+        persona = self.compiled.persona.get(person)
         style = persona.style if persona else "friendly"
         return _STYLE[style][key]
 
-    def _say(self, ctrl: "EnvController", person: str, text: str, ok: bool = True,
-             error: str | None = None, trigger: str | None = None) -> "StepResult":
-        from sandbox.controller import StepResult
-        return StepResult(ok=ok, observation=f'{self.c.person[person].name} says: "{text}"', error=error,
+    def _say(self, person: str, text: str, ok: bool = True,
+             error: str | None = None, trigger: str | None = None) -> StepResult:
+        return StepResult(ok=ok, observation=f'{self.compiled.person[person].name} says: "{text}"', error=error,
                           trigger=trigger)
 
-    def _busy(self, ctrl: "EnvController", person: str) -> "StepResult | None":
-        persona = self.c.persona.get(person)
-        w = ctrl.w
+    def _busy(self, world: World, person: str) -> StepResult | None:
+        persona = self.compiled.persona.get(person)
+        w = world
         if persona and w.asks[person] < persona.busy_until_asked:
             w.asks[person] += 1
-            tid = ctrl._trigger("person_busy", person)
-            return self._say(ctrl, person, self.phrase(person, "busy"), ok=False, error="refused", trigger=tid)
+            tid = self.compiled.trigger_id("person_busy", person)
+            return self._say(person, self.phrase(person, "busy"), ok=False, error="refused", trigger=tid)
         return None
 
     # ----------------------------------------------------------------- knowledge
 
     def match_topic(self, person: str, topic: str) -> str | None:
         """Which of the person's knowledge keys the topic refers to (id, type, name or fact question)."""
-        persona = self.c.persona.get(person)
+        persona = self.compiled.persona.get(person)
         if not persona:
             return None
-        q = _norm(topic)
+        q = normalize(topic)
         if not q:
             return None
         if topic in persona.knowledge:
             return topic
         names = []
         for key in persona.knowledge:
-            if key in self.c.obj:
-                names += [(key, self.c.obj[key].type), (key, self.c.obj[key].name)]
-            if key in self.c.fact:
-                names.append((key, self.c.fact[key].question))
-            if key in self.c.place:
-                names.append((key, self.c.place[key].name))
+            if key in self.compiled.obj:
+                names += [(key, self.compiled.obj[key].type), (key, self.compiled.obj[key].name)]
+            if key in self.compiled.fact:
+                names.append((key, self.compiled.fact[key].question))
+            if key in self.compiled.place:
+                names.append((key, self.compiled.place[key].name))
             names.append((key, key))
         for key, n in names:  # exact names first, then the closest containing match
-            if _norm(n) == q:
+            if normalize(n) == q:
                 return key
-        loose = [(len(_norm(n)), key) for key, n in names if _norm(n) and (q in _norm(n) or _norm(n) in q)]
+        normed = [(key, normalize(n)) for key, n in names]
+        loose = [(len(n), key) for key, n in normed if n and (q in n or n in q)]
         return min(loose)[1] if loose else None
 
     def knowledge_text(self, person: str, key: str) -> str:
         """How the person words one piece of knowledge (the LLM persona rewords it, keeping what matters)."""
-        return self.c.persona[person].knowledge[key]
+        return self.compiled.persona[person].knowledge[key]
 
-    def tell(self, ctrl: "EnvController", person: str, key: str) -> "StepResult":
+    def tell(self, world: World, person: str, key: str) -> StepResult:
         """Share one piece of knowledge; what it reveals enters the agent's belief."""
-        persona = self.c.persona[person]
-        w = ctrl.w
+        persona = self.compiled.persona[person]
+        w = world
         for hid in persona.reveals.get(key, []):
             w.hidden.discard(hid)
-            if hid in self.c.place:
+            if hid in self.compiled.place:
                 w.known_places.add(hid)
-            elif hid in self.c.conn:
+            elif hid in self.compiled.conn:
                 w.known_conns.add(hid)
-                x = self.c.conn[hid]
+                x = self.compiled.conn[hid]
                 w.known_places.update((x.a, x.b))
-                w.known_door[hid] = "closed" if w.door[hid] == "locked" and not self.c.locks_visible else w.door[hid]
-        if key in self.c.obj:
+                hidden_lock = w.door[hid] == "locked" and not self.compiled.locks_visible
+                w.known_door[hid] = "closed" if hidden_lock else w.door[hid]
+        if key in self.compiled.obj:
             w.known_obj[key] = w.obj[key]["loc"] if w.obj[key]["loc"] != HELD else HELD
             w.learned.add("told_where:" + key)
-            o = self.c.obj[key]
+            o = self.compiled.obj[key]
             if o.owner:
                 w.learned.add(f"owner:{key}={o.owner}")
                 w.learned.add("identified:" + key)
-        if key in self.c.fact:
+        if key in self.compiled.fact:
             w.learned.add("told:" + key)
         w.learned.add(f"asked:{person}:{key}")
         text = self.knowledge_text(person, key)
-        w.notes[key] = f"{self.c.person[person].name}: {text}"
-        return self._say(ctrl, person, text)
+        w.notes[key] = f"{self.compiled.person[person].name}: {text}"
+        return self._say(person, text)
 
-    def talk(self, ctrl: "EnvController", person: str, topic: str, message: str) -> "StepResult":
-        busy = self._busy(ctrl, person)
+    def talk(self, world: World, person: str, topic: str, message: str) -> StepResult:
+        busy = self._busy(world, person)
         if busy:
             return busy
         key = self.match_topic(person, topic)
-        ctrl.w.learned.add(f"talked:{person}")
+        world.learned.add(f"talked:{person}")
         if key is None:
-            return self._say(ctrl, person, self.phrase(person, "unknown"))
-        return self.tell(ctrl, person, key)
+            return self._say(person, self.phrase(person, "unknown"))
+        return self.tell(world, person, key)
 
     # ----------------------------------------------------------------- acting on the world
 
@@ -146,70 +138,70 @@ class HumanAgent:
             loc = w.obj[loc]["loc"]
         return False
 
-    def help(self, ctrl: "EnvController", person: str, request: str, target: str, reason: str,
-             destination: str) -> "StepResult":
-        c, w = self.c, ctrl.w
+    def help_with(self, world: World, person: str, request: str, target: str, reason: str,
+                  destination: str) -> StepResult:
+        c, w = self.compiled, world
         persona = c.persona.get(person)
         rule = next((r for r in persona.policy if r.request == request), None) if persona else None
         if persona is None or rule is None or request not in persona.capabilities:
-            return self._say(ctrl, person, self.phrase(person, "cannot"), ok=False, error="refused")
-        busy = self._busy(ctrl, person)
+            return self._say(person, self.phrase(person, "cannot"), ok=False, error="refused")
+        busy = self._busy(world, person)
         if busy:
             return busy
-        if rule.requires_reason and len(_norm(reason).split()) < 2:
-            return self._say(ctrl, person, self.phrase(person, "no_reason"), ok=False, error="refused")
+        if rule.requires_reason and len(normalize(reason).split()) < 2:
+            return self._say(person, self.phrase(person, "no_reason"), ok=False, error="refused")
         if rule.once and (person, request) in {(p, r) for p, r, _ in w.helped}:
-            return self._say(ctrl, person, self.phrase(person, "once"), ok=False, error="refused")
+            return self._say(person, self.phrase(person, "once"), ok=False, error="refused")
         name = c.person[person].name
 
-        def done(text: str) -> "StepResult":
+        def done(text: str) -> StepResult:
             w.helped.add((person, request, target))
-            return self._say(ctrl, person, text)
+            return self._say(person, text)
 
         if request == "locate":
             key = self.match_topic(person, target)
             if key is None:
-                return self._say(ctrl, person, self.phrase(person, "unknown"))
+                return self._say(person, self.phrase(person, "unknown"))
             w.helped.add((person, request, target))
-            return self.tell(ctrl, person, key)
+            return self.tell(world, person, key)
         if request == "unlock":
             if target in c.conn and target in w.known_conns:
                 if w.door[target] != "locked":
-                    return self._say(ctrl, person, self.phrase(person, "pointless"), ok=False, error="refused")
+                    return self._say(person, self.phrase(person, "pointless"), ok=False, error="refused")
                 w.door[target] = w.known_door[target] = "open"
                 w.unlearn("locked:" + target)
-                return done(f"Here, I've unlocked it for you. ({name} unlocks and opens the {ctrl._name(target)}.)")
+                return done(f"Here, I've unlocked it for you. ({name} unlocks and opens the {c.display_name(target)}.)")
             if target in c.obj and target in w.known_obj and w.obj[target]["locked"]:
                 w.obj[target]["locked"] = False
                 return done(f"There you go. ({name} unlocks the {c.obj[target].name}.)")
-            return self._say(ctrl, person, self.phrase(person, "pointless"), ok=False, error="refused")
+            return self._say(person, self.phrase(person, "pointless"), ok=False, error="refused")
         if request == "clear":
             if target in c.conn and target in w.known_conns and w.blocked[target]:
                 w.blocked[target] = False
                 w.unlearn("blocked:" + target)
-                return done(f"Let me move that out of the way. ({name} clears the {ctrl._name(target)}.)")
-            return self._say(ctrl, person, self.phrase(person, "pointless"), ok=False, error="refused")
+                return done(f"Let me move that out of the way. ({name} clears the {c.display_name(target)}.)")
+            return self._say(person, self.phrase(person, "pointless"), ok=False, error="refused")
         if request == "permission":
             if target in c.place and target in w.known_places and w.restricted[target]:
                 w.learn("permit:" + target)
                 w.unlearn("restricted:" + target)
                 return done(f"All right, you may go into the {c.place[target].name}.")
-            return self._say(ctrl, person, self.phrase(person, "pointless"), ok=False, error="refused")
+            return self._say(person, self.phrase(person, "pointless"), ok=False, error="refused")
         if request == "repair":
             if target in c.obj and target in w.known_obj and w.obj[target]["broken"]:
                 w.obj[target]["broken"] = False
                 w.learned.discard("broken:" + target)
                 return done(f"I know this one. ({name} repairs the {c.obj[target].name}.)")
-            return self._say(ctrl, person, self.phrase(person, "pointless"), ok=False, error="refused")
+            return self._say(person, self.phrase(person, "pointless"), ok=False, error="refused")
         if request == "carry":
             if target not in c.obj or target not in w.known_obj or not c.obj[target].portable:
-                return self._say(ctrl, person, self.phrase(person, "cannot"), ok=False, error="refused")
+                return self._say(person, self.phrase(person, "cannot"), ok=False, error="refused")
             if w.obj[target]["loc"] == HELD or w.known_obj.get(target) is None:
-                return self._say(ctrl, person, "Where is it? Show me first.", ok=False, error="refused")
+                return self._say(person, "Where is it? Show me first.", ok=False, error="refused")
             dest = destination
             inside = dest in c.obj and (dest == target or self._contains(w, target, dest))
             if inside:
-                return self._say(ctrl, person, "I can't put it inside itself.", ok=False, error="refused")
+                return self._say(person, "I can't put it inside itself.", ok=False, error="refused")
             if dest in c.place and dest in w.known_places:
                 loc = dest
             elif dest in c.obj and dest in w.known_obj and (c.obj[dest].surface or c.obj[dest].container) \
@@ -218,7 +210,7 @@ class HumanAgent:
                 if c.obj[dest].openable and not c.obj[dest].surface:
                     w.obj[dest]["open"] = True  # they open it to put the thing inside
             else:
-                return self._say(ctrl, person, "Where should I take it?", ok=False, error="refused")
+                return self._say(person, "Where should I take it?", ok=False, error="refused")
             w.obj[target]["loc"] = loc
             w.obj[target]["next_to"] = None
             w.known_obj[target] = loc
@@ -226,5 +218,5 @@ class HumanAgent:
             w.person_place[person] = w.place_of(target)
             w.known_person[person] = w.person_place[person]  # the agent heard where they took it
             return done(f"I'll carry it for you. ({name} carries the {c.obj[target].name} to the "
-                        f"{ctrl._name(loc)}.)")
-        return self._say(ctrl, person, self.phrase(person, "cannot"), ok=False, error="refused")
+                        f"{c.display_name(loc)}.)")
+        return self._say(person, self.phrase(person, "cannot"), ok=False, error="refused")

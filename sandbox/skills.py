@@ -14,6 +14,20 @@ from functools import cached_property
 from sandbox.schema import HELP_REQUESTS
 
 
+@dataclass(slots=True)
+class StepResult:
+    """What one skill call did: the observation, or an error code (and the trigger that fired, if any)."""
+
+    ok: bool
+    observation: str
+    error: str | None = None
+    trigger: str | None = None          # id of the trigger that fired (for judges and validation, never shown)
+    subgoals_met: list[str] = field(default_factory=list)
+    done: bool = False
+    success: bool = False
+    state_key: str = ""
+
+
 @dataclass(frozen=True)
 class Param:
     name: str

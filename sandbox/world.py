@@ -13,6 +13,7 @@ from collections import deque
 from operator import itemgetter
 
 from sandbox.schema import FailureTrigger, HumanPersona, TaskInstance
+from sandbox.text import normalize
 
 HELD = "@agent"  # location of an object the agent holds
 # every mutable field of an object, in a fixed order
@@ -68,8 +69,7 @@ class Compiled:
         self.exit_text = {p: [(cid, f"{self.place[nxt].name} [{nxt}] via {cid}") for cid, nxt in self.adj[p]]
                           for p in self.place}
         self.fixture_place = {o: p for p, ids in self.fixtures_at.items() for o in ids}
-        from sandbox.controller import norm  # the one text normaliser (search queries, reports)
-        self.norm_names = {o.id: (norm(o.type), norm(o.name)) for o in st.objects}
+        self.norm_names = {o.id: (normalize(o.type), normalize(o.name)) for o in st.objects}
         self.open_facts = {o.id: (f"state:{o.id}:open=True", f"state:{o.id}:open=False") for o in st.objects}
         self.closable = {o.id for o in st.objects if o.openable and not o.surface}
         self.openable_fixtures_at = {p: [o for o in ids if self.obj[o].openable] for p, ids in self.fixtures_at.items()}
@@ -77,6 +77,25 @@ class Compiled:
         # (world after the first look, its observation, subgoals met at reset)
         self.reset_cache: tuple[World, str, list[str]] | None = None
         self.initial.state_key()  # computed once; every reset's clone inherits it
+
+    def display_name(self, eid: str) -> str:
+        """How observations name an object, place, person or connection ("blue door between hall and kitchen")."""
+        if eid in self.obj:
+            return self.obj[eid].name
+        if eid in self.place:
+            return self.place[eid].name
+        if eid in self.person:
+            return self.person[eid].name
+        if eid in self.conn:
+            x = self.conn[eid]
+            return f"{x.color + ' ' if x.color else ''}{x.kind} between {self.place[x.a].name} and " \
+                   f"{self.place[x.b].name}"
+        return eid
+
+    def trigger_id(self, kind: str, target: str) -> str | None:
+        """The id of the task's failure trigger of this kind on this target, if there is one."""
+        t = self.trigger_by.get((kind, target))
+        return t.id if t else None
 
 
 class World:

@@ -1,14 +1,11 @@
-"""Student metrics beyond the sandbox rollouts: teacher-forced next-action exact match on held-out steps, and
-the compositional test split (target attribute combinations never targeted in training)."""
+"""Student metrics beyond the sandbox rollouts: teacher-forced next-action exact match on held-out steps."""
 
 from __future__ import annotations
 
 import json
 
 from agent.parser import ToolCall, parse_action
-from sandbox.controller import norm
-from sandbox.builder import target_combos
-from sandbox.schema import TaskInstance
+from sandbox.text import normalize
 
 
 def _target_call(row: dict) -> dict:
@@ -24,7 +21,8 @@ def same_call(pred: dict, gold: dict, free_text: tuple[str, ...] = ("message", "
     if pred["name"] != gold["name"]:
         return False
     keys = (set(pred["arguments"]) | set(gold["arguments"])) - set(free_text)
-    return all(norm(str(pred["arguments"].get(k, ""))) == norm(str(gold["arguments"].get(k, ""))) for k in keys)
+    return all(normalize(str(pred["arguments"].get(k, ""))) == normalize(str(gold["arguments"].get(k, "")))
+               for k in keys)
 
 
 def next_action_exact_match(client, rows, batch_size: int = 32) -> dict:
@@ -49,18 +47,3 @@ def next_action_exact_match(client, rows, batch_size: int = 32) -> dict:
     n = max(len(rows), 1)
     return {"steps": len(rows), "exact_match": round(hits / n, 4), "skill_match": round(skill_hits / n, 4),
             "parse_rate": round(parsed_ok / n, 4)}
-
-
-def compositional_split(train: list[TaskInstance], test: list[TaskInstance]) -> list[TaskInstance]:
-    """Test tasks whose every target (type, colour) combination was never a target in training, although the
-    type and the colour each were (so the words are known and only the combination is new)."""
-    seen = set().union(*(target_combos(t) for t in train)) if train else set()
-    types = {c[0] for c in seen}
-    colors = {c[1] for c in seen if c[1]}
-    out = []
-    for t in test:
-        combos = target_combos(t)
-        if combos and all(c not in seen and c[0] in types and (c[1] is None or c[1] in colors) for c in combos) \
-                and any(c[1] for c in combos):
-            out.append(t)
-    return out

@@ -11,6 +11,7 @@ conversational format TRL takes as is (`messages` with `tool_calls`, `tool` resu
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from contextlib import contextmanager
@@ -19,6 +20,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from agent.progress import StageBar
 from agent.trajectory import write_json
 from sft.student import (StudentConfig, build_tiny_student, corpus_texts, load_pretrained_student, lora_config,
                          n_params, train_tokenizer)
@@ -148,6 +150,30 @@ def labelled_positions_only():
         trl_utils._use_triton = original
 
 
+log = logging.getLogger(__name__)
+
+
+def _progress_callback(bar: StageBar, phase: str):
+    """A TrainerCallback that drives the stage's progress bar from the trainer's steps and sends the trainer's
+    records (loss, learning rate, eval loss, ...) to this module's logger instead of printing them."""
+    from transformers import TrainerCallback
+
+    class StageProgress(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            bar.phase(phase, state.max_steps, unit="step")
+            bar.update(state.global_step)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            bar.update(1)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            log.info("%s step %d: %s", phase, state.global_step, json.dumps(logs or {}))
+            if logs and "loss" in logs:
+                bar.postfix(f"loss {float(logs['loss']):.4g}")
+
+    return StageProgress()
+
+
 def load_sft_dataset(dataset_dir: str | Path, config: str):
     from datasets import load_dataset
     dataset_dir = Path(dataset_dir)
@@ -172,10 +198,11 @@ def make_student(cfg: StudentConfig, train_rows, seed: int):
 
 
 def _train_phase(cfg: SFTSection, model, tok, peft_cfg, train, val, ckpt_dir: Path, seed: int, report: list,
-                 wandb_env: dict, callbacks, show_progress: bool, assistant_only: bool):
+                 wandb_env: dict, callbacks, bar: StageBar, assistant_only: bool):
     """One TRL SFTTrainer run (assistant-only loss, or every token for the language-modelling phase), resumed
     from its last checkpoint in `ckpt_dir`. Returns (trainer, metrics)."""
     import torch
+    from transformers.trainer_callback import PrinterCallback
     from trl import SFTConfig, SFTTrainer
 
     epochs, lr = (cfg.epochs, cfg.lr) if assistant_only else (cfg.lm_epochs, cfg.lm_lr or cfg.lr)
@@ -186,13 +213,16 @@ def _train_phase(cfg: SFTSection, model, tok, peft_cfg, train, val, ckpt_dir: Pa
         gradient_accumulation_steps=cfg.grad_accum, learning_rate=lr, warmup_steps=cfg.warmup_ratio,
         lr_scheduler_type=cfg.scheduler, weight_decay=cfg.weight_decay, logging_steps=cfg.logging_steps,
         eval_strategy="steps", eval_steps=cfg.eval_steps, save_strategy="steps", save_steps=cfg.save_steps,
-        save_total_limit=2, report_to=report, disable_tqdm=not show_progress, dataloader_num_workers=0,
+        save_total_limit=2, report_to=report, disable_tqdm=True, dataloader_num_workers=0,
         use_cpu=not torch.cuda.is_available(),
         bf16=use_bf16(cfg.bf16) or (torch.cuda.is_available() and cfg.student.kind != "tiny"),
         dataset_num_proc=None, remove_unused_columns=True, train_sampling_strategy="group_by_length",
         run_name=f"sft-{'assistant' if assistant_only else 'lm'}")
     trainer = SFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=val, processing_class=tok,
                          peft_config=peft_cfg, callbacks=callbacks)
+    # the stage's one progress bar and its log file, instead of the trainer's own bars and printed records
+    trainer.remove_callback(PrinterCallback)
+    trainer.add_callback(_progress_callback(bar, "language modelling" if not assistant_only else "assistant-only"))
     if not cfg.packing:
         trainer.data_collator = RightPaddedCausalCollator(trainer.data_collator)
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
@@ -212,14 +242,17 @@ def _train_phase(cfg: SFTSection, model, tok, peft_cfg, train, val, ckpt_dir: Pa
 
 
 def run_sft(cfg: SFTSection, dataset_dir: str | Path, out: str | Path, seed: int = 0, show_progress: bool = True,
-            callbacks=None, config: Literal["step", "conversation"] = "step") -> dict:
+            callbacks=None, config: Literal["step", "conversation"] = "step", bar: StageBar | None = None) -> dict:
     """Train the student on one dataset config (`step`: per-step prompts as RL shows them; `conversation`:
-    whole multi-turn episodes) and write OUT/final, OUT/checkpoints, OUT/metrics.json."""
+    whole multi-turn episodes) and write OUT/final, OUT/checkpoints, OUT/metrics.json. Progress shows on `bar`
+    (default: a bar of its own, when `show_progress`); the trainer's records go to this module's logger."""
     import torch
     from transformers import set_seed
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    own_bar = bar is None
+    bar = StageBar("sft", enabled=show_progress) if own_bar else bar
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     set_seed(seed)
@@ -253,13 +286,15 @@ def run_sft(cfg: SFTSection, dataset_dir: str | Path, out: str | Path, seed: int
         lm_final = out / "lm" / "final"
         if not (lm_final / "config.json").is_file():  # else resume: the language-modelling phase is done
             trainer, lm = _train_phase(cfg, model, tok, None, train, val, out / "lm" / "checkpoints", seed, report,
-                                       wandb_env, callbacks, show_progress, assistant_only=False)
+                                       wandb_env, callbacks, bar, assistant_only=False)
             trainer.model.save_pretrained(lm_final)
             write_json(out / "lm" / "metrics.json", lm)
         model = AutoModelForCausalLM.from_pretrained(lm_final)  # a clean model object for the next trainer
         lm = json.loads((out / "lm" / "metrics.json").read_text())
     trainer, m = _train_phase(cfg, model, tok, peft_cfg, train, val, out / "checkpoints", seed, report, wandb_env,
-                              callbacks, show_progress, assistant_only=True)
+                              callbacks, bar, assistant_only=True)
+    if own_bar:
+        bar.close()
     if cfg.wandb:
         import wandb
         if wandb.run is not None:

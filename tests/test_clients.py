@@ -1,6 +1,7 @@
 """Model clients against real backends: OpenAIClient against a loopback OpenAI-compatible server (the real
-SDK over real HTTP), TransformersClient with a tiny Llama trained here, and the scripted expert as a
-ModelPolicy (same calls and success as ExpertPolicy)."""
+SDK over real HTTP), TransformersClient with a tiny Llama trained here; and the episode loop's policies over
+them: a chat model (ChatPolicy) and the scripted expert answering as a model would (same calls and success as
+the expert acting on calls)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ import threading
 import pytest
 from pydantic import ValidationError
 
-from agent.clients import OpenAIClient, ScriptedExpertClient, TransformersClient, tool_call_text
+from agent.clients import OpenAIClient, TransformersClient, tool_call_text
+from agent.episode import play
 from agent.models import ChatModel, ChatReply, ModelError
 from agent.parser import ParseError, ToolCall, render_tool_call
 from agent.prompt import StepMemory, build_step_messages
 from agent.tools import tool_definitions
-from evaluation.policies import ExpertPolicy, ModelPolicy
-from evaluation.sandbox_eval import run_episode
+from agent.policies import ChatPolicy, ScriptedPolicy
+from sandbox.agents import ExpertAgent
 from sandbox.controller import EnvController
 from sandbox.gym_env import SandboxEnv
 from sandbox.observation import known_map
@@ -237,7 +239,7 @@ def _corpus(task) -> list[str]:
     obs = ctrl.reset()
     texts = [json.dumps(tool_definitions()), TARGET]
     for call in ({"name": "look_around", "arguments": {}}, NAV, {"name": "search", "arguments": {"query": "cup"}}):
-        msgs = build_step_messages(task.instruction, known_map(ctrl.w), StepMemory(), obs, ctrl.steps,
+        msgs = build_step_messages(task.instruction, known_map(ctrl.world), StepMemory(), obs, ctrl.steps,
                                    task.step_budget)
         texts += [m["content"] for m in msgs]
         obs = ctrl.step(call).observation
@@ -342,58 +344,58 @@ def test_sampling_is_seeded_per_call_and_leaves_the_global_rng_alone(local):
     assert torch.equal(state, torch.random.get_rng_state())
 
 
-# ============================================================================ ScriptedExpertClient + ModelPolicy
+# ============================================================================ the episode loop's policies
 
 
-def test_model_policy_with_the_scripted_expert_equals_the_expert_policy(built_tasks):
-    env_a, env_b = SandboxEnv(), SandboxEnv()
-    policy = ModelPolicy(ScriptedExpertClient(env_b))
-    assert policy.name == "expert"
-    for i, t in enumerate(built_tasks):
-        a = run_episode(env_a, t, ExpertPolicy(), i)
-        b = run_episode(env_b, t, policy, i)
-        assert [x.tool_call for x in b.turns] == [x.tool_call for x in a.turns], t.id
-        assert [x.reasoning for x in b.turns] == [x.reasoning for x in a.turns], t.id
-        assert (b.success, b.subgoals_met) == (a.success, a.subgoals_met), t.id
-        assert a.success, t.id
-    assert policy.last_prompt[-1]["content"].endswith("Next skill call?")
-    assert "<tool_call>" in policy.last_raw
+def test_the_expert_answering_as_a_model_equals_the_expert_acting_on_calls(built_tasks):
+    starts = [({"task": t}, i) for i, t in enumerate(built_tasks)]
+    a = play(SandboxEnv, ScriptedPolicy(ExpertAgent, name="expert"), starts).trajectories
+    as_text = ScriptedPolicy(ExpertAgent, name="expert", as_text=True)
+    b = play(SandboxEnv, as_text, starts, batch_size=7).trajectories
+    for ta, tb, t in zip(a, b, built_tasks, strict=True):
+        assert [x.tool_call for x in tb.turns] == [x.tool_call for x in ta.turns], t.id
+        assert [x.reasoning for x in tb.turns] == [x.reasoning for x in ta.turns], t.id
+        assert (tb.success, tb.subgoals_met) == (ta.success, ta.subgoals_met), t.id
+        assert ta.success, t.id
+        # as a model would: each turn keeps its step prompt and the text it wrote; the calls alone keep neither
+        assert all(x.prompt[-1]["content"].endswith("Next skill call?") and "<tool_call>" in x.raw_output
+                   for x in tb.turns)
+        assert all(x.prompt == [] and x.raw_output is None for x in ta.turns)
 
 
-def test_scripted_expert_ignores_messages_and_answers_once_per_step(built_tasks):
-    env = SandboxEnv()
-    env.reset(options={"task": built_tasks[0]})
-    expert = ScriptedExpertClient(env)
-    first = expert.chat([{"role": "user", "content": "anything"}])
-    assert expert.chat([]) is first and expert.chat_many([[], []]) == [first, first]
-    env.step(first.action().as_dict())
-    second = expert.chat([])
-    assert second is not first
-    env.reset(options={"task": built_tasks[0]})   # a new episode restarts the planner
-    assert expert.chat([]).text == first.text
-
-
-def test_model_policy_over_http_builds_the_shared_prompt_and_passes_unreadable_text(built_tasks):
+def test_a_chat_model_over_http_sees_the_shared_prompt_and_its_unreadable_text_is_a_parse_error(built_tasks):
     task = built_tasks[0]
     answers = [Reply("", tool_calls=[{"name": "look_around", "arguments": {}}], reasoning="look first"),
                Reply("I am not sure what to do.")]
-    with FakeOpenAI(lambda body, n: answers[n]) as server:
-        policy = ModelPolicy(client(server), name="fake")
-        env = SandboxEnv()
-        obs, _ = env.reset(seed=0, options={"task": task})
-        policy.reset(env, seed=0)
-        thought, call = policy.act(env, obs)
-        assert (thought, call) == ("look first", {"name": "look_around", "arguments": {}})
-        first_prompt = policy.last_prompt
-        assert first_prompt == build_step_messages(task.instruction, env.known(), StepMemory(), obs, 0,
-                                                   task.step_budget)
-        obs, _, _, _, info = env.step(call)
-        policy.observe(call, info, obs)
-        thought, raw = policy.act(env, obs)
-        assert raw == "I am not sure what to do." and thought == raw and policy.last_raw == raw
-        assert "look_around" in policy.last_prompt[-1]["content"]  # the memory of the first step
-        _, _, _, _, info = env.step(raw)
-        assert info["error"] == "parse_error"
+    env = SandboxEnv()
+    with FakeOpenAI(lambda body, n: answers[min(n, 1)]) as server:
+        played = play(lambda: env, ChatPolicy(client(server), name="fake"), [({"task": task}, 0)], max_steps=2)
+    traj = played.trajectories[0]
+    first, second = traj.turns
+    assert (first.reasoning, first.tool_call) == ("look first", {"name": "look_around", "arguments": {}})
+    obs, info = SandboxEnv().reset(seed=0, options={"task": task})
+    assert first.prompt == build_step_messages(task.instruction, info["known"], StepMemory(), obs, 0,
+                                               task.step_budget)
+    assert second.raw_output == "I am not sure what to do." and second.reasoning == second.raw_output
+    assert second.tool_call is None and second.error == "parse_error"
+    assert second.observation.startswith("I could not read a skill call: no <tool_call> block")
+    assert "look_around" in second.prompt[-1]["content"]  # the memory of the first step
+    assert traj.truncated and len(traj.turns) == 2
     assert [r["tools"] for r in server.requests] == [tool_definitions()] * 2
-    assert server.requests[0]["messages"] == first_prompt
+    assert server.requests[0]["messages"] == first.prompt
     assert server.requests[0]["seed"] != server.requests[1]["seed"]  # seeded per step
+
+
+def test_an_endpoint_that_fails_ends_its_episode_unrecorded_never_as_an_invalid_action(built_tasks):
+    from agent.models import ModelError as Error
+    tasks = list({t.instruction: t for t in built_tasks}.values())[:3]   # three instructions: one fails
+    with FakeOpenAI(lambda body, n: Status(400) if "Task: " + tasks[1].instruction in
+                    body["messages"][-1]["content"] else Reply("<tool_call>{\"name\": \"look_around\"}</tool_call>")
+                    ) as server:
+        policy = ChatPolicy(client(server, max_retries=0), name="fake")
+        starts = [({"task": t}, i) for i, t in enumerate(tasks)]
+        with pytest.raises(Error):
+            play(SandboxEnv, policy, starts, max_steps=2)
+        played = play(SandboxEnv, policy, starts, max_steps=2, raise_errors=False)
+    assert [i for i, _ in played.errors] == [1] and played.episodes[1].trajectory.turns == []
+    assert [len(played.episodes[i].trajectory.turns) for i in (0, 2)] == [2, 2]

@@ -97,7 +97,7 @@ def test_conversation_rows_keep_the_interaction_structure(distilled):
 
 def test_step_rows_are_exactly_what_rl_rollouts_show(distilled, train_tasks):
     """A step row's prompt is the shared builder's output for that step, rebuilt here from the env."""
-    from evaluation.policies import ExpertPolicy
+    from sandbox.agents import ExpertAgent
     from sandbox.gym_env import SandboxEnv
     _, out = distilled
     rows = [r for r in _load(out, "step")["train"]]
@@ -105,18 +105,18 @@ def test_step_rows_are_exactly_what_rl_rollouts_show(distilled, train_tasks):
     for r in rows:
         by_task.setdefault(r["task_id"], []).append(r)
     task = next(t for t in train_tasks if t.id in by_task and t.difficulty == "medium")
-    env, pol, mem = SandboxEnv(), ExpertPolicy(), StepMemory()
-    obs, _ = env.reset(seed=0, options={"task": task})
-    pol.reset(env, 0)
+    env, mem = SandboxEnv(), StepMemory()
+    obs, info = env.reset(seed=0, options={"task": task})
+    expert = ExpertAgent(env, 0)
     for r in sorted(by_task[task.id], key=lambda r: r["step"]):
-        msgs = build_step_messages(task.instruction, env.known(), mem, obs, env.ctrl.steps, task.step_budget)
+        msgs = build_step_messages(task.instruction, info["known"], mem, obs, info["steps"], task.step_budget)
         assert [{"role": m["role"], "content": m["content"]} for m in r["messages"][:2]] == msgs
         assert r["messages"][2]["role"] == "assistant"
-        _, call = pol.act(env, obs)
+        _, call = expert.act(info)
         gold = r["messages"][2]["tool_calls"][0]["function"]
         assert {"name": gold["name"], "arguments": gold["arguments"]} == call
         obs, _, _, _, info = env.step(call)
-        pol.observe(call, info, obs)
+        expert.observe(call, info, obs)
         mem.add(call, info["error"], obs)
 
 

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import sandbox
+from agent.episode import Episode, Reply
 from agent.parser import ParseError, ToolCall, parse_action, parse_text, render_tool_call
 from sandbox.controller import EnvController, StepResult
 from sandbox.schema import ERROR_CODES, HELP_REQUESTS
@@ -157,7 +158,7 @@ def check_result(ctrl: EnvController, res, before: str) -> None:
     assert res.trigger is None or res.trigger in {t.id for t in ctrl.compiled.triggers}
     key = ctrl.state_key()
     assert res.state_key == key
-    ctrl.w.touch()
+    ctrl.world.touch()
     assert ctrl.state_key() == key, "cached state_key out of date"
     if res.error in VALIDATION_ERRORS:
         assert key == before, f"{res.error} changed the state"
@@ -195,7 +196,7 @@ def test_controller_well_formed_calls_explore_deep_states(fuzz_tasks, fuzz_ids, 
         before = ctrl.state_key()
         res = ctrl.step(call)
         check_result(ctrl, res, before)
-        w = ctrl.w
+        w = ctrl.world
         assert w.agent_place in comp.place
         assert len(w.holding) <= w.capacity and len(set(w.holding)) == len(w.holding)
         for oid in comp.obj:  # containment stays acyclic and ends in a place
@@ -209,29 +210,35 @@ def test_controller_well_formed_calls_explore_deep_states(fuzz_tasks, fuzz_ids, 
 
 @FUZZ
 @given(data=st.data())
-def test_gym_env_never_raises(gym_env, fuzz_tasks, fuzz_ids, data):
+def test_the_episode_loop_never_raises_on_model_output(gym_env, fuzz_tasks, fuzz_ids, data):
+    """Whatever a model sends (raw text, tool-call text, dict calls, OpenAI messages), the episode loop reads it
+    once with the parser and the env answers with an observation and a typed error, never an exception."""
     comp = data.draw(st.sampled_from(fuzz_tasks), label="task")
-    obs, info = gym_env.reset(options={"task": comp.task})
-    assert isinstance(obs, str) and {"state_key", "error", "subgoals_met", "success"} <= set(info)
-    actions = data.draw(st.lists(model_outputs(fuzz_ids[id(comp)]), min_size=1, max_size=10), label="actions")
-    for action in actions:
-        obs, reward, terminated, truncated, info = gym_env.step(action)
-        assert isinstance(obs, str)
-        assert {"state_key", "error", "subgoals_met", "success"} <= set(info)
+    episode = Episode(gym_env, "fuzz", 0, {"task": comp.task})
+    assert {"state_key", "error", "subgoals_met", "success", "known"} <= set(episode.info)
+    outputs = data.draw(st.lists(model_outputs(fuzz_ids[id(comp)]), min_size=1, max_size=10), label="outputs")
+    for output in outputs:
+        if episode.done:
+            break
+        reply = Reply(text=output) if isinstance(output, str) else Reply(action=parse_action(output))
+        turn = episode.record(episode.request(), reply)
+        info = episode.info
+        assert isinstance(turn.observation, str) and turn.error == info["error"]
         assert info["error"] is None or info["error"] in ERROR_CODES
         assert isinstance(info["subgoals_met"], list) and isinstance(info["success"], bool)
         assert info["state_key"] == gym_env.unwrapped.ctrl.state_key()
-        assert reward in (0.0, 1.0) and isinstance(terminated, bool) and isinstance(truncated, bool)
+        assert (turn.tool_call is None) == (info["error"] == "parse_error")
 
 
 def test_gym_env_reset_accepts_a_task_dict(gym_env, world_data):
     obs, info = gym_env.reset(options={"task": world_data})
     assert "hall" in obs and info["error"] is None
-    text = render_tool_call("navigate", {"target": "kitchen"})
-    obs, reward, terminated, truncated, info = gym_env.step(text)
-    assert info["error"] is None and "kitchen" in obs
-    obs, reward, terminated, truncated, info = gym_env.step("I think I should go")
-    assert info["error"] == "parse_error"
+    obs, reward, terminated, truncated, info = gym_env.step({"name": "navigate", "arguments": {"target": "kitchen"}})
+    assert info["error"] is None and "kitchen" in obs and info["place"] == "kitchen"
+    # what the episode loop passes when the agent's text held no readable call: the step counts, and says why
+    obs, reward, terminated, truncated, info = gym_env.step({"parse_error": "no <tool_call> block in the output"})
+    assert info["error"] == "parse_error" and info["steps"] == 2
+    assert obs == "I could not read a skill call: no <tool_call> block in the output."
     obs, reward, terminated, truncated, info = gym_env.step({"name": "finish", "arguments": {}})
     assert terminated and reward == 0.0
 
@@ -304,7 +311,9 @@ def test_bug_parse_action_openai_huge_integer_arguments():
 
 def test_bug_gym_env_step_huge_integer(gym_env, task):
     gym_env.reset(options={"task": task})
-    obs, reward, terminated, truncated, info = gym_env.step("<tool_call>" + "1" * 4400 + "</tool_call>")
+    parsed = parse_action("<tool_call>" + "1" * 4400 + "</tool_call>")
+    assert isinstance(parsed, ParseError)
+    obs, reward, terminated, truncated, info = gym_env.step({"parse_error": parsed.message})
     assert info["error"] == "parse_error"
 
 

@@ -14,8 +14,8 @@ from agent.clients import OpenAIClient
 from sandbox.builder import BuildConfig, BuildStats, ProceduralBuilder
 from sandbox.controller import EnvController, report_matches
 from sandbox.expert import ExpertPlanner
-from sandbox.llm_builder import LLMBuilder, reply_schema, variant_json
-from sandbox.llm_persona import LLMHumanAgent
+from agent.llm_builder import LLMBuilder, reply_schema, variant_json
+from agent.llm_persona import LLMHumanAgent
 from sandbox.scenes import load_scene
 from sandbox.world import Compiled
 
@@ -221,7 +221,7 @@ def test_a_good_paraphrase_is_what_the_person_says(task):
     with hand_world(task, lambda body, n: Reply('"Oh, visiting hours end at 8 pm, dear."')) as (server, human, ctrl):
         res = ctrl.step({"name": "talk_to", "arguments": {"person": "alice", "topic": "f_hours"}})
     assert res.observation == 'Alice says: "Oh, visiting hours end at 8 pm, dear."'
-    assert ctrl.w.notes["f_hours"] == "Alice: Oh, visiting hours end at 8 pm, dear."
+    assert ctrl.world.notes["f_hours"] == "Alice: Oh, visiting hours end at 8 pm, dear."
     assert report_matches("Oh, visiting hours end at 8 pm, dear.", "8 pm", [])
     system = server.requests[0]["messages"][0]["content"]
     assert "Keep these exactly as written: 8 pm." in system and "caretaker" in system and "friendly" in system

@@ -120,7 +120,7 @@ def test_isolation_hidden_fields_never_reach_a_prompt(tiny_build):
         ctrl = EnvController(t)
         obs = ctrl.reset()
         mem = StepMemory()
-        first = prompt_text(build_step_messages(t.instruction, known_map(ctrl.w), mem, obs, 0, t.step_budget))
+        first = prompt_text(build_step_messages(t.instruction, known_map(ctrl.world), mem, obs, 0, t.step_budget))
         for s in hidden_strings(t):
             assert s not in first, (t.id, s)
         never = [x for tr in t.failure_triggers for x in (tr.id, tr.condition, tr.effect, *tr.recovery)]
@@ -130,7 +130,7 @@ def test_isolation_hidden_fields_never_reach_a_prompt(tiny_build):
             res = ctrl.step(call)
             planner.observe(call, res)
             mem.add(call, res.error, res.observation)
-            text = prompt_text(build_step_messages(t.instruction, known_map(ctrl.w), mem, res.observation,
+            text = prompt_text(build_step_messages(t.instruction, known_map(ctrl.world), mem, res.observation,
                                                    ctrl.steps, t.step_budget))
             for s in never:
                 assert s not in text, (t.id, s)
@@ -144,7 +144,7 @@ def test_prompt_is_compact(tiny_build):
     for t in _all_tasks(out):
         ctrl = EnvController(t)
         obs = ctrl.reset()
-        text = prompt_text(build_step_messages(t.instruction, known_map(ctrl.w), StepMemory(), obs, 0,
+        text = prompt_text(build_step_messages(t.instruction, known_map(ctrl.world), StepMemory(), obs, 0,
                                                t.step_budget))
         lengths.append(len(text.split()))
     # "a few hundred tokens": whitespace words are a lower bound on BPE tokens, so stay well under 300
@@ -164,7 +164,7 @@ def test_teacher_does_not_read_hidden_state(tiny_build):
         tr = next(x for x in t.failure_triggers if x.kind == "object_moved")
         ctrl2 = EnvController(t)
         ctrl2.reset()
-        ctrl2.w.obj[tr.target]["loc"] = next(o.last_seen for o in t.agent_view.objects if o.id == tr.target)
+        ctrl2.world.obj[tr.target]["loc"] = next(o.last_seen for o in t.agent_view.objects if o.id == tr.target)
         assert ExpertPlanner(ctrl2, privileged=False).act()[1] == first_call
 
 
@@ -248,12 +248,12 @@ def test_teacher_reads_only_the_belief(tiny_build):
         ctrl.reset()
         planner = ExpertPlanner(ctrl, privileged=False)
         while not ctrl.done and ctrl.steps < t.step_budget:
-            real = ctrl.w
-            ctrl.w = _BeliefOnly(real)
+            real = ctrl.world
+            ctrl.world = _BeliefOnly(real)
             try:
                 _, call = planner.act()
             finally:
-                ctrl.w = real
+                ctrl.world = real
             res = ctrl.step(call)
             planner.observe(call, res)
         assert ctrl.success, t.id
@@ -281,7 +281,7 @@ def test_state_key_caches_match_a_fresh_computation(tiny_build):
     """The cached parts of the state key (objects, sorted sets) never go stale, for expert and random play."""
     import random
 
-    from evaluation.policies import random_call
+    from sandbox.agents import random_call
 
     out, _ = tiny_build
     rng = random.Random(0)
@@ -289,20 +289,20 @@ def test_state_key_caches_match_a_fresh_computation(tiny_build):
         for policy in ("expert", "random"):
             ctrl = EnvController(t)
             ctrl.reset()
-            assert ctrl.w.state_key() == ctrl.w.uncached_key()
+            assert ctrl.world.state_key() == ctrl.world.uncached_key()
             planner = ExpertPlanner(ctrl, privileged=False)
             while not ctrl.done and ctrl.steps < t.step_budget:
                 if policy == "expert":
                     call = planner.act()[1]
                 else:
-                    known = known_map(ctrl.w)
+                    known = known_map(ctrl.world)
                     ids = [p for p, _ in known["places"]] + [o for o, *_ in known["objects"]] + \
                         [c for c, *_ in known["connections"]] + [p for p, *_ in known["people"]]
                     call = random_call(rng, ids)
                 res = ctrl.step(call)
                 if policy == "expert":
                     planner.observe(call, res)
-                assert res.state_key == ctrl.w.uncached_key(), (t.id, call)
+                assert res.state_key == ctrl.world.uncached_key(), (t.id, call)
 
 
 def test_prompt_shows_where_objects_are_and_only_doors(tiny_build):
@@ -314,7 +314,7 @@ def test_prompt_shows_where_objects_are_and_only_doors(tiny_build):
     for t in _all_tasks(out)[:40]:
         ctrl = EnvController(t)
         obs = ctrl.reset()
-        known = known_map(ctrl.w)
+        known = known_map(ctrl.world)
         text = build_step_messages(t.instruction, known, StepMemory(), obs, 0, t.step_budget)[1]["content"]
         where = {lm: p for p, lms in known["landmarks"].items() for lm in lms}
         for oid, _, loc in known["objects"]:
@@ -371,7 +371,7 @@ def test_task_objects_line_looks_up_what_the_instruction_names():
 
 
 def test_compositional_split_targets_new_type_colour_combinations(medium_build):
-    from sft.metrics import compositional_split, target_combos
+    from sandbox.builder import compositional_split, target_combos
     train, test = medium_build[0]["train"], medium_build[0]["test"]
     seen = set().union(*(target_combos(t) for t in train))
     comp = compositional_split(train, test)

@@ -8,11 +8,13 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from agent.episode import play as play_episodes
+from agent.policies import ScriptedPolicy
 from agent.trajectory import Trajectory, read_jsonl, write_jsonl
-from evaluation.policies import ExpertPolicy
-from evaluation.sandbox_eval import evaluate, run_episode
+from evaluation.sandbox_eval import evaluate
 from reward_engine.judge import LLMBackend, RewardEngine, VerdictCache, summarize, turn_content_hashes
 from reward_engine.prompt import PromptStore, RewardPrompt, default_prompt, load_prompt
+from sandbox.agents import ExpertAgent
 from sandbox.gym_env import SandboxEnv
 from conftest import ROOT
 from fake_openai import Delay, FakeOpenAI, Garbage, Reply, Status
@@ -20,32 +22,33 @@ from fake_openai import Delay, FakeOpenAI, Garbage, Reply, Status
 REASON = "the storage door is locked and I need to get the key room open"
 
 
-class ScriptPolicy:
-    """Plays a fixed list of calls (the sandbox is real; only the agent is scripted)."""
+def script(calls: list, thought: str = "scripted"):
+    """A scripted agent playing a fixed list of calls (or text), then finishing (the sandbox is real; only the
+    agent is scripted): a factory for `ScriptedPolicy`."""
+    class Script:
+        def __init__(self, env, seed):
+            self.i = 0
 
-    name = "script"
+        def act(self, info):
+            call = calls[self.i] if self.i < len(calls) else {"name": "finish", "arguments": {}}
+            self.i += 1
+            return thought, call
 
-    def __init__(self, calls: list[dict]):
-        self.calls = calls
-
-    def reset(self, env, seed):
-        self.i = 0
-
-    def act(self, env, observation):
-        call = self.calls[self.i] if self.i < len(self.calls) else {"name": "finish", "arguments": {}}
-        self.i += 1
-        return "scripted", call
-
-    def observe(self, call, info, observation):
-        pass
+        def observe(self, call, info, observation):
+            pass
+    return Script
 
 
 def _c(name, **args):
     return {"name": name, "arguments": args}
 
 
+def play_one(task, agent, name: str = "script") -> Trajectory:
+    return play_episodes(SandboxEnv, ScriptedPolicy(agent, name=name), [({"task": task}, 0)]).trajectories[0]
+
+
 def play(task, calls) -> Trajectory:
-    return run_episode(SandboxEnv(), task, ScriptPolicy(calls), seed=0)
+    return play_one(task, script(calls))
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +101,7 @@ def test_help_without_meeting_the_obstacle_is_an_omission(task, engine):
 def test_report_before_observing_and_early_finish_are_penalised(built_tasks, engine):
     task = next(t for t in built_tasks if t.kind == "object_search")
     assert [g.predicate.kind for g in task.subgoals][-1] == "reported"
-    expert = run_episode(SandboxEnv(), task, ExpertPolicy(), seed=0)
+    expert = play_one(task, ExpertAgent, "expert")
     good_report = next(i for i, u in enumerate(expert.turns) if u.tool_call["name"] == "report")
     v = engine.score(expert)
     assert expert.success and not v.turns[good_report].violations and v.turns[good_report].label == "useful"
@@ -114,17 +117,9 @@ def test_report_before_observing_and_early_finish_are_penalised(built_tasks, eng
 
 
 def test_malformed_and_hallucinated_calls(task, engine):
-    env = SandboxEnv()
-
-    class TextPolicy(ScriptPolicy):
-        def act(self, env, observation):
-            out = self.calls[self.i] if self.i < len(self.calls) else {"name": "finish", "arguments": {}}
-            self.i += 1
-            return "", out
-
     calls = ["I think I should go.", _c("fly", to="moon"), _c("navigate", place="kitchen"),
              _c("navigate", target="atlantis"), _c("navigate", target="kitchen")]
-    tr = run_episode(env, task, TextPolicy(calls), seed=0)
+    tr = play_one(task, script(calls, thought=""))
     v = engine.score(tr).turns
     assert tr.turns[0].tool_call is None and tr.turns[0].raw_output == "I think I should go."
     assert [x.label for x in v[:5]] == ["malformed", "malformed", "malformed", "inconsistent", "useful"]

@@ -19,7 +19,8 @@ from reward_engine.evolve import (EditError, EvolutionConfig, Evaluation, Judgin
 from reward_engine.judge import RewardEngine
 from reward_engine.labels import read_labels, trajectory_key
 from reward_engine.meta_judge import LLMMetaBackend, MetaJudge, PLANTS, measure, plant_error, planted_cases
-from reward_engine.oracle import NoisyExpertPolicy, build_oracle_set, oracle_episode
+from reward_engine.oracle import build_oracle_set, oracle_episode
+from sandbox.oracle import NoisyExpertAgent
 from reward_engine.prompt import PromptStore, default_prompt, draft_prompt
 
 
@@ -65,27 +66,26 @@ def test_oracle_labels_are_deterministic_typed_and_cover_the_mistakes(built_task
 def test_oracle_labels_a_blind_retry_and_an_early_finish(sample_tasks):
     task = sample_tasks[0]
 
-    class Script:
+    calls = [{"name": "pick_up", "arguments": {"object": "nothing_here"}},
+             {"name": "look_around", "arguments": {}}, {"name": "look_around", "arguments": {}},
+             {"name": "finish", "arguments": {"summary": "done"}}]
+
+    class Script:   # a scripted agent (sandbox.agents): made per episode, acts on the env's info
         name = "script"
 
-        def __init__(self, calls):
-            self.calls = calls
-
-        def reset(self, env, seed):
+        def __init__(self, env, seed):
             self.i = 0
 
-        def act(self, env, obs):
-            c = self.calls[min(self.i, len(self.calls) - 1)]
+        def act(self, info):
+            c = calls[min(self.i, len(calls) - 1)]
             self.i += 1
             return "s", c
 
         def observe(self, *a):
             pass
 
-    calls = [{"name": "pick_up", "arguments": {"object": "nothing_here"}},
-             {"name": "look_around", "arguments": {}}, {"name": "look_around", "arguments": {}},
-             {"name": "finish", "arguments": {"summary": "done"}}]
-    traj, labels = oracle_episode(task, Script(calls), seed=0)
+    traj, labels = oracle_episode(task, Script, seed=0)
+    assert traj.policy == "script"
     got = [lb.label for lb in labels]
     assert got[0] == "inconsistent"            # names an id it never perceived
     assert got[2] == "redundant"               # the second look changes nothing
@@ -95,7 +95,7 @@ def test_oracle_labels_a_blind_retry_and_an_early_finish(sample_tasks):
 
 def test_noisy_expert_rate_is_checked():
     with pytest.raises(ValueError, match="rate"):
-        NoisyExpertPolicy(1.5)
+        NoisyExpertAgent(None, 0, rate=1.5)
 
 
 # --------------------------------------------------------------------------- Meta-Judge

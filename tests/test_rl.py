@@ -171,16 +171,14 @@ def test_lockstep_rollouts_share_initial_states_and_keep_token_ids(ci_setup):
 
 
 def test_rewards_mix_judge_and_success_and_drop_judge_errors(ci_setup):
+    from evaluation.sandbox_eval import evaluate
+    from pipeline.stages import build_tasks, make_reward_engine
     from rl.config import RewardMix
     from rl.rollout import RolloutBatch, StepSample
     from rl.trainer import rollout_rewards
-    from pipeline.stages import build_tasks, make_reward_engine
-    from evaluation.policies import ExpertPolicy
-    from evaluation.sandbox_eval import run_episode
-    from sandbox.gym_env import SandboxEnv
     recipe, _ = ci_setup
     tasks = build_tasks(recipe, show_progress=False)[0]["train"][:2]
-    trajs = [run_episode(SandboxEnv(), t, ExpertPolicy(), seed=0) for t in tasks]
+    trajs = evaluate(tasks, "expert")[1]
     samples = [StepSample(traj=i, step=k, anchor="x", prompt_ids=[1], response_ids=[2], logprobs=[-0.5])
                for i, t in enumerate(trajs) for k in range(len(t.turns))]
     batch = RolloutBatch(trajectories=trajs, groups=[0, 1], samples=samples)
@@ -208,10 +206,11 @@ def _weights(path: Path) -> dict:
 
 
 def test_one_iteration_end_to_end_then_exact_resume(ci_setup, tmp_path):
-    from rl.trainer import GiGPOTrainer, RLError
+    from pipeline.stages import make_rl_trainer
+    from rl.trainer import RLError
     recipe, final = ci_setup
     r = _small_rl(recipe, iterations=2, save_every=1)
-    straight = GiGPOTrainer(r, tmp_path / "straight", final, show_progress=False).train()
+    straight = make_rl_trainer(r, tmp_path / "straight", final, show_progress=False).train()
     assert straight["iterations"] == 2 and straight["rollout_episodes"] == 8
     assert (tmp_path / "straight" / "final" / "config.json").is_file()
     assert (tmp_path / "straight" / "curves.png").stat().st_size > 1000
@@ -223,10 +222,11 @@ def test_one_iteration_end_to_end_then_exact_resume(ci_setup, tmp_path):
     w0, w2 = _weights(final), _weights(tmp_path / "straight" / "final")
     assert any(not torch.equal(w0[k], w2[k]) for k in w0)
     # the same run cut after one iteration and resumed ends bit for bit where the straight one did
-    GiGPOTrainer(_small_rl(recipe, iterations=1, save_every=1), tmp_path / "cut", final, show_progress=False).train()
+    make_rl_trainer(_small_rl(recipe, iterations=1, save_every=1), tmp_path / "cut", final,
+                    show_progress=False).train()
     with pytest.raises(RLError, match="--resume"):
-        GiGPOTrainer(r, tmp_path / "cut", final, show_progress=False).train()
-    resumed = GiGPOTrainer(r, tmp_path / "cut", final, resume=True, show_progress=False).train()
+        make_rl_trainer(r, tmp_path / "cut", final, show_progress=False).train()
+    resumed = make_rl_trainer(r, tmp_path / "cut", final, resume=True, show_progress=False).train()
     assert resumed["iterations"] == 2
     wa, wb = _weights(tmp_path / "straight" / "final"), _weights(tmp_path / "cut" / "final")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -243,12 +243,12 @@ def test_the_update_does_not_depend_on_the_micro_batch_size(ci_setup, tmp_path):
     """Micro-batches (sorted by length within a mini-batch, so they pad less) only split the mini-batch's
     gradient into a sum: one micro-batch per mini-batch and micro-batches of 2 rows give the same weights.
     With trajectories of equal length the trajectory-mean loss is the token-mean (unequal ones: the test above)."""
-    from rl.trainer import GiGPOTrainer
+    from pipeline.stages import make_rl_trainer
     recipe, final = ci_setup
     whole = _small_rl(recipe, iterations=1, save_every=1, micro_batch_rows=10_000, mini_batches=2)
     split = _small_rl(recipe, iterations=1, save_every=1, micro_batch_rows=2, mini_batches=2)
-    a = GiGPOTrainer(whole, tmp_path / "whole", final, show_progress=False).train()
-    b = GiGPOTrainer(split, tmp_path / "split", final, show_progress=False).train()
+    a = make_rl_trainer(whole, tmp_path / "whole", final, show_progress=False).train()
+    b = make_rl_trainer(split, tmp_path / "split", final, show_progress=False).train()
     assert a["rollout_episodes"] == b["rollout_episodes"] > 0
     row = json.loads((tmp_path / "split" / "metrics.jsonl").read_text().splitlines()[0])
     assert row["active_rows"] > 4 and row["optimizer_steps"] == 2  # several micro-batches per mini-batch
@@ -261,7 +261,7 @@ def test_the_update_does_not_depend_on_the_micro_batch_size(ci_setup, tmp_path):
     # rl.loss_agg: trajectory-mean runs in the trainer; here every trajectory has the same number of tokens
     # (each response runs to max_new_tokens, each episode to max_steps), where it is the token-mean
     per_traj = _small_rl(recipe, iterations=1, save_every=1, mini_batches=2, loss_agg="trajectory-mean")
-    c = GiGPOTrainer(per_traj, tmp_path / "traj", final, show_progress=False).train()
+    c = make_rl_trainer(per_traj, tmp_path / "traj", final, show_progress=False).train()
     assert c["rollout_episodes"] == a["rollout_episodes"]
     cfg = per_traj.rl
     assert row["response_tokens"] == row["rows"] * cfg.max_new_tokens and row["mean_steps"] == cfg.max_steps
@@ -270,14 +270,14 @@ def test_the_update_does_not_depend_on_the_micro_batch_size(ci_setup, tmp_path):
 
 
 def test_grpo_plays_the_same_rollouts_with_episode_level_advantages_only(ci_setup, tmp_path, monkeypatch):
-    from rl.trainer import GiGPOTrainer
+    from pipeline.stages import make_rl_trainer
     recipe, final = ci_setup
     r = _small_rl(recipe, iterations=1, save_every=1)
-    GiGPOTrainer(r, tmp_path / "gigpo", final, show_progress=False).train()
+    make_rl_trainer(r, tmp_path / "gigpo", final, show_progress=False).train()
     monkeypatch.setenv("WANDB_MODE", "offline")    # and the wandb logging path, offline
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     r_wandb = r.model_copy(update={"rl": r.rl.model_copy(update={"wandb": True})})
-    GiGPOTrainer(r_wandb, tmp_path / "grpo", final, algorithm="grpo", show_progress=False).train()
+    make_rl_trainer(r_wandb, tmp_path / "grpo", final, algorithm="grpo", show_progress=False).train()
     assert list((tmp_path / "grpo" / "wandb").glob("offline-run-*"))
     g = json.loads((tmp_path / "gigpo" / "metrics.jsonl").read_text().splitlines()[0])
     p = json.loads((tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()[0])
@@ -289,13 +289,13 @@ def test_grpo_plays_the_same_rollouts_with_episode_level_advantages_only(ci_setu
 def test_the_starting_checkpoint_is_evaluated_once_per_test_split(ci_setup, tmp_path):
     import shutil
 
-    from rl.trainer import GiGPOTrainer
+    from pipeline.stages import make_rl_trainer
     recipe, final = ci_setup
     init = tmp_path / "init"
     shutil.copytree(final, init)
     r = _small_rl(recipe, iterations=1, eval_every=1, eval_tasks=1, save_every=1)
-    a = GiGPOTrainer(r, tmp_path / "a", init, show_progress=False).train()
-    b = GiGPOTrainer(r, tmp_path / "b", init, algorithm="grpo", show_progress=False).train()
+    a = make_rl_trainer(r, tmp_path / "a", init, show_progress=False).train()
+    b = make_rl_trainer(r, tmp_path / "b", init, algorithm="grpo", show_progress=False).train()
     assert a["initial_eval"]["all"]["episodes"] == 1 and "cached" not in a["initial_eval"]
     assert b["initial_eval"]["cached"] and b["initial_eval"]["all"] == a["initial_eval"]["all"]
     assert a["final_eval"]["iteration"] == 1 and len(list(init.glob("rl_initial_eval_*.json"))) == 1
@@ -303,9 +303,8 @@ def test_the_starting_checkpoint_is_evaluated_once_per_test_split(ci_setup, tmp_
 
 def test_evaluation_splits_seen_and_compositional_tasks_and_plays_a_fixed_pool_sample(ci_setup, tmp_path):
     from pipeline.recipe import SandboxSection
-    from pipeline.stages import build_tasks
-    from rl.trainer import GiGPOTrainer
-    from sft.metrics import compositional_split
+    from pipeline.stages import build_tasks, make_rl_trainer
+    from sandbox.builder import compositional_split
     recipe, final = ci_setup
     # the rooms scene alone, 10 train and 4 test instructions: 2 of the 8 test tasks target a (type, colour)
     # never targeted in training (the SFT benchmark's compositional split)
@@ -316,7 +315,7 @@ def test_evaluation_splits_seen_and_compositional_tasks_and_plays_a_fixed_pool_s
     comp = {t.id for t in compositional_split(splits["train"], splits["test"])}
     assert len(splits["test"]) == 8 and 1 <= len(comp) < 8
     r = _small_rl(rooms, iterations=1, eval_every=1, eval_tasks=None, eval_pool_tasks=3, save_every=1)
-    a = GiGPOTrainer(r, tmp_path / "a", final, show_progress=False)
+    a = make_rl_trainer(r, tmp_path / "a", final, show_progress=False)
     s = a.train()
     assert len(a.pool_eval) == 3 and a.compositional == comp
     for ev in (s["initial_eval"], s["final_eval"]):
@@ -324,11 +323,11 @@ def test_evaluation_splits_seen_and_compositional_tasks_and_plays_a_fixed_pool_s
         assert ev["compositional"]["episodes"] == len(comp) and ev["seen"]["episodes"] == 8 - len(comp)
         assert ev["seen"]["tsr"] * (8 - len(comp)) + ev["compositional"]["tsr"] * len(comp) == \
             pytest.approx(ev["all"]["tsr"] * 8, abs=1e-3)
-    b = GiGPOTrainer(_small_rl(rooms, iterations=1, eval_pool_tasks=3), tmp_path / "b", final, seed=1,
+    b = make_rl_trainer(_small_rl(rooms, iterations=1, eval_pool_tasks=3), tmp_path / "b", final, seed=1,
                      show_progress=False)
     b.setup()
     assert [t.id for t in b.pool_eval] == [t.id for t in a.pool_eval]  # one sample for every seed
-    plain = GiGPOTrainer(_small_rl(recipe, iterations=1), tmp_path / "c", final, show_progress=False)
+    plain = make_rl_trainer(_small_rl(recipe, iterations=1), tmp_path / "c", final, show_progress=False)
     plain.setup()
     assert plain.pool_eval == [] and plain.compositional == set()
 
@@ -377,8 +376,7 @@ def test_a_missing_checkpoint_names_the_stage_that_makes_it(tmp_path, capsys):
 
 
 def test_a_fresh_task_pool_shares_no_layout_or_text_with_train_or_test(ci_setup, tmp_path):
-    from pipeline.stages import build_rl_pool, build_tasks
-    from rl.trainer import GiGPOTrainer
+    from pipeline.stages import build_rl_pool, build_tasks, make_rl_trainer
     recipe, final = ci_setup
     splits = build_tasks(recipe, show_progress=False)[0]
     pool = build_rl_pool(recipe, splits, 2)
@@ -390,7 +388,7 @@ def test_a_fresh_task_pool_shares_no_layout_or_text_with_train_or_test(ci_setup,
     assert [t.id for t in build_rl_pool(recipe, splits, 2)] == [t.id for t in pool]  # deterministic
     # the trainer draws its tasks from it
     r = _small_rl(recipe, iterations=1, save_every=1, task_pool="fresh", pool_instructions_per_scene=2)
-    trainer = GiGPOTrainer(r, tmp_path / "fresh", final, show_progress=False)
+    trainer = make_rl_trainer(r, tmp_path / "fresh", final, show_progress=False)
     trainer.setup()
     assert {t.id for t in trainer.pool} <= {t.id for t in pool}
     assert all(t.split == "rl" for t in trainer.tasks_for(0))

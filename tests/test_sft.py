@@ -230,8 +230,9 @@ def test_a_few_sft_steps_lower_the_loss_and_resume(sft_dataset, tmp_path):
 
 def test_checkpoint_runs_in_the_sandbox_batched_like_sequential(sft_dataset, tmp_path, built_tasks):
     from agent.clients import TransformersClient
-    from evaluation.policies import ModelPolicy
-    from evaluation.sandbox_eval import evaluate, run_episode, run_model_batched
+    from agent.episode import play
+    from agent.policies import ChatPolicy
+    from evaluation.sandbox_eval import evaluate
     from sandbox.gym_env import SandboxEnv
     cfg = SFTSection(student=SMALL, max_steps=4, batch_size=8, eval_steps=4, save_steps=4, logging_steps=2,
                      max_eval_samples=8)
@@ -240,8 +241,9 @@ def test_checkpoint_runs_in_the_sandbox_batched_like_sequential(sft_dataset, tmp
     tasks = [t for t in built_tasks if t.split == "test"][:3]
     tasks = [t.model_copy(update={"step_budget": 4}) for t in tasks]  # an untrained model runs to the budget
     client = TransformersClient(final, max_new_tokens=24, batch_size=4)
-    batched = run_model_batched(tasks, client, seeds=[0, 1, 2], batch_size=3)
-    seq = [run_episode(SandboxEnv(), t, ModelPolicy(client), seed=i) for i, t in enumerate(tasks)]
+    starts = [({"task": t}, i) for i, t in enumerate(tasks)]
+    batched = play(SandboxEnv, ChatPolicy(client), starts, batch_size=3).trajectories
+    seq = play(SandboxEnv, ChatPolicy(client), starts, batch_size=1).trajectories
     assert [[u.raw_output for u in tr.turns] for tr in batched] == [[u.raw_output for u in tr.turns] for tr in seq]
     assert all(u.prompt and u.prompt[-1]["role"] == "user" for tr in batched for u in tr.turns)
     metrics, _ = evaluate(tasks, str(final), batch_size=2)

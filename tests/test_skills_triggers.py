@@ -31,7 +31,7 @@ def ok(ctrl: EnvController, name: str, **arguments):
 def fresh(data: dict) -> EnvController:
     c = EnvController(TaskInstance.model_validate(data))
     c.reset()
-    c.w.touch()  # see test_bug_state_key_after_reset_is_stale
+    c.world.touch()  # see test_bug_state_key_after_reset_is_stale
     return c
 
 
@@ -52,23 +52,23 @@ def test_fixture_world_is_valid_and_covers_every_trigger_kind(task):
 
 
 def test_navigate_opens_a_closed_door(ctrl):
-    assert ctrl.w.door["d_hall_kitchen"] == "closed"
+    assert ctrl.world.door["d_hall_kitchen"] == "closed"
     res = ok(ctrl, "navigate", target="kitchen")
-    assert ctrl.w.agent_place == "kitchen"
-    assert ctrl.w.door["d_hall_kitchen"] == "open" and ctrl.w.known_door["d_hall_kitchen"] == "open"
+    assert ctrl.world.agent_place == "kitchen"
+    assert ctrl.world.door["d_hall_kitchen"] == "open" and ctrl.world.known_door["d_hall_kitchen"] == "open"
     assert ctrl.crossed == ["d_hall_kitchen"]
     assert "kitchen [kitchen]" in res.observation
 
 
 def test_navigate_multi_hop_route(ctrl):
     ok(ctrl, "navigate", target="yard")
-    assert ctrl.w.agent_place == "yard"
+    assert ctrl.world.agent_place == "yard"
     assert ctrl.crossed == ["d_hall_kitchen", "p_kitchen_yard"]
 
 
 def test_navigate_to_an_object_stands_next_to_it(ctrl):
     res = ok(ctrl, "navigate", target="mug_2")
-    assert ctrl.w.agent_place == "kitchen" and ctrl.w.agent_near == "mug_2"
+    assert ctrl.world.agent_place == "kitchen" and ctrl.world.agent_near == "mug_2"
     assert res.observation.startswith("You stand next to the blue mug")
 
 
@@ -85,10 +85,10 @@ def test_look_around_lists_visible_things_people_and_exits(ctrl):
 
 def test_search_finds_an_item_inside_a_closed_container(ctrl):
     ok(ctrl, "navigate", target="kitchen")
-    assert "cup_1" not in ctrl.w.known_obj
+    assert "cup_1" not in ctrl.world.known_obj
     res = ok(ctrl, "search", query="cup")
     assert "cup_1" in res.observation and "cupboard_1" in res.observation
-    assert ctrl.w.known_obj["cup_1"] == "cupboard_1"
+    assert ctrl.world.known_obj["cup_1"] == "cupboard_1"
     assert do(ctrl, "pick_up", object="cup_1").error == "precondition_unmet"  # still closed in
     ok(ctrl, "open", target="cupboard_1")
     ok(ctrl, "pick_up", object="cup_1")
@@ -101,28 +101,28 @@ def test_search_without_a_match(ctrl):
 
 def test_inspect_reveals_device_and_door_state(ctrl):
     res = ok(ctrl, "inspect", target="lamp_1")
-    assert "broken" in res.observation and "broken:lamp_1" in ctrl.w.learned
+    assert "broken" in res.observation and "broken:lamp_1" in ctrl.world.learned
     assert "off" in ok(ctrl, "inspect", target="fan_1").observation
     assert "heavy" in ok(ctrl, "inspect", target="crate_1").observation
     assert "fragile" in ok(ctrl, "inspect", target="vase_1").observation
     res = ok(ctrl, "inspect", target="d_hall_storage")
-    assert "locked" in res.observation and ctrl.w.known_door["d_hall_storage"] == "locked"
+    assert "locked" in res.observation and ctrl.world.known_door["d_hall_storage"] == "locked"
     ok(ctrl, "navigate", target="kitchen")
     assert "closed" in ok(ctrl, "inspect", target="cupboard_1").observation
-    assert "inspected:cupboard_1" in ctrl.w.learned
+    assert "inspected:cupboard_1" in ctrl.world.learned
 
 
 def test_inspect_reveals_owner_tag_and_details(ctrl):
     ok(ctrl, "navigate", target="kitchen")
     res = ok(ctrl, "inspect", target="mug_2")
-    assert "name tag: Bob" in res.observation and "owner:mug_2=bob" in ctrl.w.learned
+    assert "name tag: Bob" in res.observation and "owner:mug_2=bob" in ctrl.world.learned
     assert "name tag" not in ok(ctrl, "inspect", target="table_1").observation
 
 
 def test_pick_up(ctrl):
     ok(ctrl, "pick_up", object="key_1")
-    assert ctrl.w.holding == ["key_1"] and ctrl.w.obj["key_1"]["loc"] == HELD
-    assert ctrl.w.known_obj["key_1"] == HELD
+    assert ctrl.world.holding == ["key_1"] and ctrl.world.obj["key_1"]["loc"] == HELD
+    assert ctrl.world.known_obj["key_1"] == HELD
     assert do(ctrl, "pick_up", object="key_1").error == "precondition_unmet"   # already held
     assert do(ctrl, "pick_up", object="fan_1").error == "precondition_unmet"   # a fixture
     assert do(ctrl, "pick_up", object="mug_2").error == "precondition_unmet"   # in another room
@@ -135,18 +135,18 @@ def test_pick_up_respects_capacity(task):
     ok(c, "pick_up", object="key_1")
     assert do(c, "navigate", target="kitchen").ok
     assert do(c, "pick_up", object="mug_2").error in ("precondition_unmet", "trigger_fired")
-    assert c.w.holding == ["key_1"]
+    assert c.world.holding == ["key_1"]
 
 
 def test_place_on_floor_surface_container_and_next_to(ctrl):
     ok(ctrl, "pick_up", object="key_1")
     ok(ctrl, "navigate", target="kitchen")
     ok(ctrl, "place", object="key_1", target="kitchen")
-    assert ctrl.w.obj["key_1"]["loc"] == "kitchen" and ctrl.w.holding == []
+    assert ctrl.world.obj["key_1"]["loc"] == "kitchen" and ctrl.world.holding == []
 
     ok(ctrl, "pick_up", object="key_1")
     ok(ctrl, "place", object="key_1", target="table_1")
-    assert ctrl.w.obj["key_1"]["loc"] == "table_1"
+    assert ctrl.world.obj["key_1"]["loc"] == "table_1"
     assert ctrl.holds(ObjectAt(object="key_1", location="table_1"))
     assert ctrl.holds(ObjectAt(object="key_1", location="kitchen"))  # a place: anywhere in it
 
@@ -154,15 +154,15 @@ def test_place_on_floor_surface_container_and_next_to(ctrl):
     assert do(ctrl, "place", object="key_1", target="cupboard_1").error == "precondition_unmet"  # closed
     ok(ctrl, "open", target="cupboard_1")
     ok(ctrl, "place", object="key_1", target="cupboard_1")
-    assert ctrl.w.obj["key_1"]["loc"] == "cupboard_1"
+    assert ctrl.world.obj["key_1"]["loc"] == "cupboard_1"
     ok(ctrl, "close", target="cupboard_1")
-    assert not ctrl.w.visible("key_1")
+    assert not ctrl.world.visible("key_1")
 
     ok(ctrl, "open", target="cupboard_1")
     ok(ctrl, "pick_up", object="key_1")
     res = ok(ctrl, "place", object="key_1", target="mug_2")
     assert "next to" in res.observation
-    assert ctrl.w.obj["key_1"]["loc"] == "kitchen" and ctrl.w.obj["key_1"]["next_to"] == "mug_2"
+    assert ctrl.world.obj["key_1"]["loc"] == "kitchen" and ctrl.world.obj["key_1"]["next_to"] == "mug_2"
     assert ctrl.holds(NextTo(object="key_1", other="mug_2"))
 
 
@@ -172,15 +172,15 @@ def test_place_errors(ctrl):
     assert do(ctrl, "place", object="key_1", target="key_1").error == "bad_argument_value"
     assert do(ctrl, "place", object="key_1", target="kitchen").error == "precondition_unmet"  # not there
     assert do(ctrl, "place", object="key_1", target="atlantis").error == "unknown_entity"
-    assert ctrl.w.holding == ["key_1"]
+    assert ctrl.world.holding == ["key_1"]
 
 
 def test_open_and_close_door_and_container(ctrl):
     ok(ctrl, "open", target="d_hall_kitchen")
-    assert ctrl.w.door["d_hall_kitchen"] == "open"
+    assert ctrl.world.door["d_hall_kitchen"] == "open"
     assert do(ctrl, "open", target="d_hall_kitchen").error == "precondition_unmet"
     ok(ctrl, "close", target="d_hall_kitchen")
-    assert ctrl.w.door["d_hall_kitchen"] == "closed"
+    assert ctrl.world.door["d_hall_kitchen"] == "closed"
     assert do(ctrl, "close", target="d_hall_kitchen").error == "precondition_unmet"
     assert do(ctrl, "open", target="p_hall_office").error == "precondition_unmet"  # no door there
     assert do(ctrl, "open", target="p_kitchen_yard").error == "precondition_unmet"  # not next to it
@@ -188,9 +188,9 @@ def test_open_and_close_door_and_container(ctrl):
     ok(ctrl, "navigate", target="kitchen")
     res = ok(ctrl, "open", target="cupboard_1")
     assert "Inside: tea cup [cup_1]" in res.observation
-    assert ctrl.w.obj["cupboard_1"]["open"] and ctrl.w.known_obj["cup_1"] == "cupboard_1"
+    assert ctrl.world.obj["cupboard_1"]["open"] and ctrl.world.known_obj["cup_1"] == "cupboard_1"
     ok(ctrl, "close", target="cupboard_1")
-    assert not ctrl.w.obj["cupboard_1"]["open"]
+    assert not ctrl.world.obj["cupboard_1"]["open"]
     assert do(ctrl, "open", target="table_1").error == "precondition_unmet"
 
 
@@ -198,23 +198,23 @@ def test_open_unlocks_a_door_with_the_held_key(ctrl):
     ok(ctrl, "pick_up", object="key_1")
     res = ok(ctrl, "open", target="d_hall_storage")
     assert "unlock" in res.observation
-    assert ctrl.w.door["d_hall_storage"] == "open"
+    assert ctrl.world.door["d_hall_storage"] == "open"
     ok(ctrl, "navigate", target="storage")
-    assert ctrl.w.agent_place == "storage"
+    assert ctrl.world.agent_place == "storage"
 
 
 def test_operate_on_and_off(ctrl):
     ok(ctrl, "operate", device="fan_1", action="turn_on")
-    assert ctrl.w.obj["fan_1"]["on"] is True
+    assert ctrl.world.obj["fan_1"]["on"] is True
     assert do(ctrl, "operate", device="fan_1", action="turn_on").error == "precondition_unmet"
     ok(ctrl, "operate", device="fan_1", action="turn_off")
-    assert ctrl.w.obj["fan_1"]["on"] is False
+    assert ctrl.world.obj["fan_1"]["on"] is False
     assert do(ctrl, "operate", device="key_1", action="turn_on").error == "precondition_unmet"  # no device
 
 
 def test_talk_to_shares_knowledge(ctrl):
     res = ok(ctrl, "talk_to", person="alice", topic="f_hours")
-    assert "8 pm" in res.observation and "told:f_hours" in ctrl.w.learned
+    assert "8 pm" in res.observation and "told:f_hours" in ctrl.world.learned
     assert ctrl.holds(Told(fact="f_hours"))
     res = ok(ctrl, "talk_to", person="alice", topic="visiting hours", message="hello")  # by the fact question
     assert "8 pm" in res.observation
@@ -223,16 +223,16 @@ def test_talk_to_shares_knowledge(ctrl):
 
 
 def test_talk_to_reveals_a_hidden_place(ctrl):
-    assert "backroom" not in ctrl.w.known_places
+    assert "backroom" not in ctrl.world.known_places
     assert do(ctrl, "navigate", target="backroom").error == "unknown_entity"
     res = ok(ctrl, "talk_to", person="alice", topic="phone")
     assert "back room" in res.observation
-    assert "backroom" in ctrl.w.known_places and "d_kitchen_back" in ctrl.w.known_conns
-    assert "backroom" not in ctrl.w.hidden and ctrl.w.known_obj["phone_1"] == "backroom"
+    assert "backroom" in ctrl.world.known_places and "d_kitchen_back" in ctrl.world.known_conns
+    assert "backroom" not in ctrl.world.hidden and ctrl.world.known_obj["phone_1"] == "backroom"
     assert res.subgoals_met == ["sg0"]  # the agent now knows where the phone really is
     ok(ctrl, "navigate", target="phone_1")
-    assert ctrl.w.agent_place == "backroom" and ctrl.crossed[-1] == "d_kitchen_back"
-    assert ctrl.w.agent_near == "phone_1"
+    assert ctrl.world.agent_place == "backroom" and ctrl.crossed[-1] == "d_kitchen_back"
+    assert ctrl.world.agent_near == "phone_1"
 
 
 def test_talk_to_needs_the_person_here(ctrl):
@@ -242,7 +242,7 @@ def test_talk_to_needs_the_person_here(ctrl):
 
 def test_ask_for_help_unlock(ctrl):
     ok(ctrl, "ask_for_help", person="alice", request="unlock", target="d_hall_storage", reason=REASON)
-    assert ctrl.w.door["d_hall_storage"] == "open"
+    assert ctrl.world.door["d_hall_storage"] == "open"
     ok(ctrl, "navigate", target="storage")
     # a door that is not locked needs no help
     res = do(ctrl, "ask_for_help", person="alice", request="unlock", target="d_hall_kitchen", reason=REASON)
@@ -253,33 +253,33 @@ def test_ask_for_help_carry(ctrl):
     res = ok(ctrl, "ask_for_help", person="alice", request="carry", target="crate_1", reason=REASON,
              destination="kitchen")
     assert "carries" in res.observation
-    assert ctrl.w.obj["crate_1"]["loc"] == "kitchen" and ctrl.w.known_obj["crate_1"] == "kitchen"
-    assert ctrl.w.person_place["alice"] == "kitchen"
+    assert ctrl.world.obj["crate_1"]["loc"] == "kitchen" and ctrl.world.known_obj["crate_1"] == "kitchen"
+    assert ctrl.world.person_place["alice"] == "kitchen"
 
 
 def test_ask_for_help_carry_needs_a_destination(ctrl):
     res = do(ctrl, "ask_for_help", person="alice", request="carry", target="crate_1", reason=REASON)
-    assert res.error == "refused" and ctrl.w.obj["crate_1"]["loc"] == "hall"
+    assert res.error == "refused" and ctrl.world.obj["crate_1"]["loc"] == "hall"
     res = do(ctrl, "ask_for_help", person="alice", request="carry", target="fan_1", reason=REASON,
              destination="kitchen")
-    assert res.error == "refused" and ctrl.w.obj["fan_1"]["loc"] == "hall"
+    assert res.error == "refused" and ctrl.world.obj["fan_1"]["loc"] == "hall"
 
 
 def test_ask_for_help_repair(ctrl):
     ok(ctrl, "ask_for_help", person="alice", request="repair", target="lamp_1", reason=REASON)
-    assert ctrl.w.obj["lamp_1"]["broken"] is False
+    assert ctrl.world.obj["lamp_1"]["broken"] is False
     ok(ctrl, "operate", device="lamp_1", action="turn_on")
 
 
 def test_ask_for_help_permission(ctrl):
     ok(ctrl, "ask_for_help", person="alice", request="permission", target="office", reason=REASON)
-    assert "permit:office" in ctrl.w.learned
+    assert "permit:office" in ctrl.world.learned
     ok(ctrl, "navigate", target="office")
 
 
 def test_ask_for_help_clear(ctrl):
     ok(ctrl, "ask_for_help", person="alice", request="clear", target="p_kitchen_lab", reason=REASON)
-    assert ctrl.w.blocked["p_kitchen_lab"] is False
+    assert ctrl.world.blocked["p_kitchen_lab"] is False
     ok(ctrl, "navigate", target="lab")
     assert ctrl.crossed == ["d_hall_kitchen", "p_kitchen_lab"]
 
@@ -287,19 +287,19 @@ def test_ask_for_help_clear(ctrl):
 def test_ask_for_help_locate(ctrl):
     res = ok(ctrl, "ask_for_help", person="alice", request="locate", target="phone", reason=REASON)
     assert "back room" in res.observation
-    assert "backroom" in ctrl.w.known_places and ctrl.w.known_obj["phone_1"] == "backroom"
+    assert "backroom" in ctrl.world.known_places and ctrl.world.known_obj["phone_1"] == "backroom"
 
 
 def test_ask_for_help_outside_capabilities_is_refused(ctrl):
     ok(ctrl, "navigate", target="kitchen")
     res = do(ctrl, "ask_for_help", person="bob", request="carry", target="mug_2", reason=REASON,
              destination="hall")
-    assert res.error == "refused" and ctrl.w.obj["mug_2"]["loc"] == "kitchen"
+    assert res.error == "refused" and ctrl.world.obj["mug_2"]["loc"] == "kitchen"
 
 
 def test_report_and_report_matches(ctrl):
     ok(ctrl, "report", answer="Visiting hours end at 8 pm")
-    assert ctrl.w.reports == ["Visiting hours end at 8 pm"]
+    assert ctrl.world.reports == ["Visiting hours end at 8 pm"]
     assert ctrl.holds(Reported(value="8 pm"))
     assert not ctrl.holds(Reported(value="9 pm"))
     assert report_matches("it is in the kitchen", "kitchen", [])
@@ -314,7 +314,7 @@ def test_report_and_report_matches(ctrl):
 
 def test_finish_ends_the_episode(ctrl):
     res = ok(ctrl, "finish", summary="gave up")
-    assert res.done and not res.success and ctrl.done and ctrl.w.finished
+    assert res.done and not res.success and ctrl.done and ctrl.world.finished
     steps = ctrl.steps
     res = do(ctrl, "look_around")
     assert res.error == "episode_over" and ctrl.steps == steps
@@ -339,7 +339,7 @@ def fired(res, trigger: str, error: str = "trigger_fired") -> None:
 
 def test_trigger_locked_door(ctrl):
     fired(do(ctrl, "navigate", target="storage"), "t_locked")
-    assert ctrl.w.agent_place == "hall" and "locked:d_hall_storage" in ctrl.w.learned
+    assert ctrl.world.agent_place == "hall" and "locked:d_hall_storage" in ctrl.world.learned
     fired(do(ctrl, "open", target="d_hall_storage"), "t_locked")
     assert ctrl.fired["t_locked"] == 2
     # recovery: take the key and unlock
@@ -350,28 +350,28 @@ def test_trigger_locked_door(ctrl):
 
 def test_trigger_blocked_path_detour(ctrl):
     fired(do(ctrl, "navigate", target="lab"), "t_blocked")
-    assert ctrl.w.agent_place == "kitchen"  # it got as far as the obstacle
-    assert "blocked:p_kitchen_lab" in ctrl.w.learned
+    assert ctrl.world.agent_place == "kitchen"  # it got as far as the obstacle
+    assert "blocked:p_kitchen_lab" in ctrl.world.learned
     ok(ctrl, "navigate", target="lab")      # recovery: the known route now avoids it
-    assert ctrl.w.agent_place == "lab" and ctrl.crossed[-2:] == ["p_kitchen_yard", "p_yard_lab"]
+    assert ctrl.world.agent_place == "lab" and ctrl.crossed[-2:] == ["p_kitchen_yard", "p_yard_lab"]
 
 
 def test_trigger_object_moved(ctrl):
     fired(do(ctrl, "navigate", target="book_1"), "t_moved")
-    assert ctrl.w.agent_place == "kitchen" and ctrl.w.known_obj["book_1"] is None
+    assert ctrl.world.agent_place == "kitchen" and ctrl.world.known_obj["book_1"] is None
     # recovery: ask Bob (busy once), then go where he says
     fired(do(ctrl, "talk_to", person="bob", topic="book"), "t_busy", "refused")
     assert "yard" in ok(ctrl, "talk_to", person="bob", topic="book").observation
-    assert ctrl.w.known_obj["book_1"] == "yard"
+    assert ctrl.world.known_obj["book_1"] == "yard"
     ok(ctrl, "navigate", target="book_1")
-    assert ctrl.w.agent_place == "yard" and ctrl.w.agent_near == "book_1"
+    assert ctrl.world.agent_place == "yard" and ctrl.world.agent_near == "book_1"
     ok(ctrl, "pick_up", object="book_1")
 
 
 def test_trigger_object_moved_on_pick_up(ctrl):
     ok(ctrl, "navigate", target="kitchen")
-    ctrl.w.known_obj["book_1"] = "kitchen"  # an agent that ignores what it just saw
-    ctrl.w.touch()
+    ctrl.world.known_obj["book_1"] = "kitchen"  # an agent that ignores what it just saw
+    ctrl.world.touch()
     fired(do(ctrl, "pick_up", object="book_1"), "t_moved")
     ok(ctrl, "navigate", target="yard")     # recovery: search nearby places
     ok(ctrl, "search", query="book")
@@ -380,10 +380,10 @@ def test_trigger_object_moved_on_pick_up(ctrl):
 
 def test_trigger_device_malfunction(ctrl):
     fired(do(ctrl, "operate", device="lamp_1", action="turn_on"), "t_malfunction")
-    assert ctrl.w.obj["lamp_1"]["on"] is False
+    assert ctrl.world.obj["lamp_1"]["on"] is False
     ok(ctrl, "ask_for_help", person="alice", request="repair", target="lamp_1", reason=REASON)
     ok(ctrl, "operate", device="lamp_1", action="turn_on")
-    assert ctrl.w.obj["lamp_1"]["on"] is True
+    assert ctrl.world.obj["lamp_1"]["on"] is True
 
 
 def test_trigger_fragile_item(ctrl):
@@ -391,15 +391,15 @@ def test_trigger_fragile_item(ctrl):
     ok(ctrl, "place", object="vase_1", target="hall")
     ok(ctrl, "pick_up", object="key_1")
     fired(do(ctrl, "pick_up", object="vase_1"), "t_fragile")
-    assert ctrl.w.holding == ["key_1"]
+    assert ctrl.world.holding == ["key_1"]
     ok(ctrl, "place", object="key_1", target="hall")
     ok(ctrl, "pick_up", object="vase_1")
-    assert ctrl.w.holding == ["vase_1"]
+    assert ctrl.world.holding == ["vase_1"]
 
 
 def test_trigger_too_heavy(ctrl):
     fired(do(ctrl, "pick_up", object="crate_1"), "t_heavy")
-    assert ctrl.w.holding == [] and "heavy:crate_1" in ctrl.w.learned
+    assert ctrl.world.holding == [] and "heavy:crate_1" in ctrl.world.learned
     ok(ctrl, "ask_for_help", person="alice", request="carry", target="crate_1", reason=REASON,
        destination="kitchen")
     assert ctrl.holds(ObjectAt(object="crate_1", location="kitchen"))
@@ -407,11 +407,11 @@ def test_trigger_too_heavy(ctrl):
 
 def test_trigger_restricted_area(ctrl):
     fired(do(ctrl, "navigate", target="office"), "t_restricted")
-    assert ctrl.w.agent_place == "hall" and "restricted:office" in ctrl.w.learned
+    assert ctrl.world.agent_place == "hall" and "restricted:office" in ctrl.world.learned
     assert do(ctrl, "navigate", target="office").error == "unreachable"  # known obstacle, no other route
     ok(ctrl, "ask_for_help", person="alice", request="permission", target="office", reason=REASON)
     ok(ctrl, "navigate", target="office")
-    assert ctrl.w.agent_place == "office"
+    assert ctrl.world.agent_place == "office"
 
 
 @pytest.mark.parametrize("recovery", ["inspect_target", "inspect_other", "ask_owner"])
@@ -422,10 +422,10 @@ def test_trigger_ambiguous_target(ctrl, recovery):
     if recovery != "ask_owner":
         fired(do(ctrl, "pick_up", object="mug_1"), "t_ambiguous")
         fired(do(ctrl, "pick_up", object="mug_2"), "t_ambiguous")
-        assert ctrl.w.holding == []
+        assert ctrl.world.holding == []
         ok(ctrl, "inspect", target="mug_1" if recovery == "inspect_target" else "mug_2")
     ok(ctrl, "pick_up", object="mug_1")
-    assert ctrl.w.holding == ["mug_1"]
+    assert ctrl.world.holding == ["mug_1"]
 
 
 def test_trigger_person_knowledge(ctrl):
@@ -449,9 +449,9 @@ def test_trigger_person_busy_help(ctrl):
     ok(ctrl, "navigate", target="kitchen")
     res = do(ctrl, "ask_for_help", person="bob", request="unlock", target="d_hall_storage", reason=REASON)
     fired(res, "t_busy", "refused")
-    assert ctrl.w.door["d_hall_storage"] == "locked"
+    assert ctrl.world.door["d_hall_storage"] == "locked"
     ok(ctrl, "ask_for_help", person="bob", request="unlock", target="d_hall_storage", reason=REASON)
-    assert ctrl.w.door["d_hall_storage"] == "open"
+    assert ctrl.world.door["d_hall_storage"] == "open"
 
 
 # what fires each trigger, from the start
@@ -569,7 +569,7 @@ def test_state_key_is_stable_across_fresh_controllers(task, world_data):
     other = EnvController(TaskInstance.model_validate(copy.deepcopy(world_data)))  # compiled separately
     other.reset()
     assert other.state_key() == a.state_key()
-    assert a.w.clone().state_key() == a.state_key()
+    assert a.world.clone().state_key() == a.state_key()
     # the same moves give the same key
     for c in (a, b):
         ok(c, "navigate", target="kitchen")
@@ -591,7 +591,7 @@ def test_reset_restores_the_initial_key(ctrl):
     ok(ctrl, "report", answer="yard")
     assert ctrl.state_key() != k0
     ctrl.reset()
-    ctrl.w.touch()  # see test_bug_state_key_after_reset_is_stale
+    ctrl.world.touch()  # see test_bug_state_key_after_reset_is_stale
     assert ctrl.state_key() == k0 and ctrl.steps == 0 and ctrl.crossed == []
 
 
@@ -602,10 +602,10 @@ def test_policy_requires_reason(ctrl):
     for reason in ("please", "?", "now!"):
         res = do(ctrl, "ask_for_help", person="alice", request="permission", target="office", reason=reason)
         assert res.error == "refused" and "why do you need" in res.observation
-    assert "permit:office" not in ctrl.w.learned
+    assert "permit:office" not in ctrl.world.learned
     ok(ctrl, "ask_for_help", person="alice", request="permission", target="office",
        reason="I have to fetch the files")
-    assert "permit:office" in ctrl.w.learned
+    assert "permit:office" in ctrl.world.learned
 
 
 def test_policy_without_requires_reason_accepts_a_short_reason(ctrl):
@@ -626,7 +626,7 @@ def test_policy_once_refuses_a_second_clear_of_another_path():
     c = fresh(data)
     ok(c, "ask_for_help", person="alice", request="clear", target="p_kitchen_lab", reason=REASON)
     res = do(c, "ask_for_help", person="alice", request="clear", target="p_yard_lab", reason=REASON)
-    assert res.error == "refused" and c.w.blocked["p_yard_lab"] is True
+    assert res.error == "refused" and c.world.blocked["p_yard_lab"] is True
 
 
 def test_policy_requires_nearby_false_answers_from_afar():
@@ -635,9 +635,9 @@ def test_policy_requires_nearby_false_answers_from_afar():
     bob["policy"] = [{"request": "unlock", "requires_nearby": False}]
     bob["busy_until_asked"] = 0
     c = fresh(data)
-    assert c.w.person_place["bob"] == "kitchen" and c.w.agent_place == "hall"
+    assert c.world.person_place["bob"] == "kitchen" and c.world.agent_place == "hall"
     ok(c, "ask_for_help", person="bob", request="unlock", target="d_hall_storage", reason=REASON)
-    assert c.w.door["d_hall_storage"] == "open"
+    assert c.world.door["d_hall_storage"] == "open"
     # while alice (nearby rules) must be in the same place
     ok(c, "navigate", target="kitchen")
     res = do(c, "ask_for_help", person="alice", request="repair", target="lamp_1", reason=REASON)
@@ -651,7 +651,7 @@ def test_bug_state_key_after_reset_is_stale(task):
     c = EnvController(task)
     c.reset()
     cached = c.state_key()
-    c.w.touch()
+    c.world.touch()
     assert c.state_key() == cached
 
 
@@ -687,8 +687,8 @@ def test_bug_carry_into_itself():
     c = fresh(_with_bag(world_dict()))
     res = do(c, "ask_for_help", person="alice", request="carry", target="bag_1", reason=REASON,
              destination="bag_1")
-    assert c.w.obj["bag_1"]["loc"] != "bag_1", res
-    assert c.w.person_place["alice"] in c.compiled.place
+    assert c.world.obj["bag_1"]["loc"] != "bag_1", res
+    assert c.world.person_place["alice"] in c.compiled.place
 
 
 def test_bug_invalid_call_latches_a_subgoal_met_at_reset():
@@ -704,7 +704,7 @@ def test_bug_invalid_call_latches_a_subgoal_met_at_reset():
 def test_visited_places_and_the_nearest_unvisited_first(ctrl):
     """The belief keeps the places the agent has stood in; `unvisited()` lists the others nearest first over the
     known map, a place behind a known obstacle last; being somewhere is part of the state key."""
-    w = ctrl.w
+    w = ctrl.world
     start_key = w.state_key()
     assert w.visited == {"hall"}
     order = w.unvisited()

@@ -158,7 +158,7 @@ def test_keyword_and_non_tensor_batch_inputs_and_settings():
                 step_reward=cols["step_reward"], step_weight=2.0)
     check_broadcast(adv, expected(cols, gamma=0.9, step_weight=2.0, normalize="mean"), lengths)
     # columns of non_tensor_batch (object arrays, as verl keeps them), uid standing in for index; no config:
-    # the project's defaults (rl.config.RLSection)
+    # the project's defaults (rl.config.GiGPOConfig)
     ntb = {k: np.array(list(cols[k]), dtype=object) for k in ("uid", "traj_uid", "step_idx", "anchor_key",
                                                                "step_reward")}
     adv, _ = fn(rewards, mask, non_tensor_batch=ntb)
@@ -271,8 +271,8 @@ def tiny_tokenizer(tmp_path_factory):
     from sft.student import train_tokenizer
     from conftest import world_dict
     env = SandboxEnv()
-    obs, _ = env.reset(seed=0, options={"task": TaskInstance.model_validate(world_dict())})
-    msgs = build_step_messages(env.task.instruction, env.known(), StepMemory(), obs, 0, env.task.step_budget)
+    obs, info = env.reset(seed=0, options={"task": TaskInstance.model_validate(world_dict())})
+    msgs = build_step_messages(env.task.instruction, info["known"], StepMemory(), obs, 0, env.task.step_budget)
     texts = [m["content"] for m in msgs] * 3 + SCRIPT * 3
     tok = train_tokenizer(texts, vocab_size=400)
     folder = tmp_path_factory.mktemp("tiny_tok")
@@ -282,8 +282,12 @@ def tiny_tokenizer(tmp_path_factory):
 
 def _make_loop(tok, folder, server):
     """The agent loop as verl's AgentLoopWorker makes it: hydra.utils.instantiate of the shipped
-    agent-loop config entry, with the worker's keyword arguments (the ci recipe instead of the GPU one)."""
+    agent-loop config entry, with the worker's keyword arguments (the ci recipe instead of the GPU one), in a
+    process set up by the worker hook `pipeline.verl.register`."""
     import hydra
+
+    import pipeline.verl
+    pipeline.verl.register()
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
     from verl.utils.dataset.rl_dataset import RLHFDataset
     entries = OmegaConf.load(ROOT / "recipes" / "gpu" / "verl_agent_loops.yaml")
@@ -297,34 +301,32 @@ def _make_loop(tok, folder, server):
 
 
 def _replay(task, seed: int, tok, recipe):
-    """The same scripted episode through the project's own functions: the reference."""
-    from agent.parser import ToolCall, parse_action
-    from agent.prompt import StepMemory, build_step_messages
+    """The same scripted episode through the project's own episode loop and rewards: the reference."""
+    from agent.episode import Reply, play
     from agent.tools import tool_definitions
-    from evaluation.sandbox_eval import start_episode, step_episode
     from pipeline.stages import make_reward_engine
     from rl.rollout import RolloutBatch, StepSample
     from rl.trainer import rollout_rewards
     from sandbox.gym_env import SandboxEnv
-    env = SandboxEnv()
-    traj, obs = start_episode(env, task, seed, "student")
-    mem, anchor, samples, prompts, done = StepMemory(size=recipe.rl.memory_size), traj.initial_state_key, [], [], False
-    while not done:
-        msgs = build_step_messages(traj.instruction, env.known(), mem, obs, env.ctrl.steps, env.task.step_budget)
-        text = tok.apply_chat_template(msgs, tools=tool_definitions(), add_generation_prompt=True, tokenize=False)
-        prompts.append(tok(text, add_special_tokens=False)["input_ids"])
-        out = SCRIPT[len(traj.turns)]
-        parsed = parse_action(out)
-        action = parsed.as_dict() if isinstance(parsed, ToolCall) else out
-        obs, info, call, done = step_episode(env, traj, parsed.reasoning, action, msgs, out)
-        mem.add(call, info["error"], obs)
-        if not done and len(traj.turns) >= recipe.rl.max_steps:
-            done = traj.truncated = True
-            traj.success = False
-            traj.subgoals_met = env.ctrl.subgoal_progress()[0]
-        samples.append(StepSample(traj=0, step=len(traj.turns) - 1, anchor=anchor, prompt_ids=[], response_ids=[],
-                                  logprobs=[]))
-        anchor = info["state_key"]
+    prompts = []
+
+    class Script:
+        name, reads_prompt = "student", True
+
+        def start(self, episode, env, seed):
+            pass
+
+        def act(self, requests):
+            text = tok.apply_chat_template(requests[0].messages, tools=tool_definitions(), add_generation_prompt=True,
+                                           tokenize=False)
+            prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+            return [Reply(text=SCRIPT[len(prompts) - 1])]
+
+    played = play(SandboxEnv, Script(), [({"task": task}, seed)], memory_size=recipe.rl.memory_size,
+                  max_steps=recipe.rl.max_steps)
+    traj, episode = played.trajectories[0], played.episodes[0]
+    samples = [StepSample(traj=0, step=k, anchor=a, prompt_ids=[], response_ids=[], logprobs=[])
+               for k, a in enumerate(episode.anchors)]
     verdict = make_reward_engine(recipe).score(traj)
     rw = rollout_rewards(RolloutBatch(trajectories=[traj], groups=[0], samples=samples), [verdict], recipe.rl.reward)
     return [s.anchor for s in samples], prompts, rw
@@ -388,7 +390,7 @@ def test_dataset_rows_carry_the_task_and_the_agent_name(task):
     from pipeline.recipe import load_recipe
     from sandbox.schema import TaskInstance
     recipe = load_recipe(ROOT / "recipes" / "ci.yaml")
-    rows = plugin.dataset_rows(recipe, [task, task], "train")
+    rows = plugin.dataset_rows([task, task], "train", "embodistill/ci", recipe.rl.memory_size)
     assert [r["extra_info"]["index"] for r in rows] == [0, 1]
     r = rows[0]
     assert r["agent_name"] == plugin.AGENT_LOOP_NAME and TaskInstance.model_validate_json(r["task"]) == task
@@ -417,10 +419,11 @@ def test_the_shipped_verl_config_composes_and_passes_verls_checks():
     assert algo.adv_estimator == plugin.ESTIMATOR_NAME and not algo.use_kl_in_reward
     assert cfg.trainer.v1.trainer_mode == plugin.TRAINER_MODE and cfg.trainer.use_v1
     assert rollout.name == "vllm" and rollout.n == 8 and rollout.agent.default_agent_loop == plugin.AGENT_LOOP_NAME
-    assert cfg.ray_kwargs.ray_init.runtime_env.worker_process_setup_hook == "rl.verl_plugin.register"
+    assert cfg.ray_kwargs.ray_init.runtime_env.worker_process_setup_hook == "pipeline.verl.register"
     entries = OmegaConf.load(rollout.agent.agent_loop_config_path)
     assert [e.name for e in entries] == [plugin.AGENT_LOOP_NAME]
-    assert plugin.resolve_recipe(entries[0].recipe).is_file()
+    from pipeline.verl import resolve_recipe
+    assert resolve_recipe(entries[0].recipe).is_file()
     # the settings the trainer mode hands the estimator
     assert plugin.gigpo_settings(cfg.algorithm, step_weight=cfg.gigpo.step_weight, eps=cfg.gigpo.eps) == \
         {"gamma": 0.95, "step_weight": 1.0, "normalize": "mean_std", "eps": 1e-6}
@@ -450,13 +453,14 @@ def test_the_readme_command_lines_give_the_config_file():
 
 
 def test_the_dataset_reads_through_verls_dataset_into_the_agent_loop(tiny_tokenizer, tmp_path):
-    """`python -m rl.verl_plugin data` -> verl's RLHFDataset and collate_fn -> the v1 TensorDict a trainer step
+    """`embodistill verl-data` -> verl's RLHFDataset and collate_fn -> the v1 TensorDict a trainer step
     submits (uid added) -> one sample's keyword arguments as verl's agent-loop worker unpacks them -> run()."""
     from tensordict import NonTensorData, NonTensorStack
     from verl.utils import tensordict_utils as tu
     from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
     tok, folder = tiny_tokenizer
-    assert plugin.main(["data", str(ROOT / "recipes" / "ci.yaml"), "--out", str(tmp_path), "--quiet"]) == 0
+    from pipeline.cli import main
+    assert main(["verl-data", str(ROOT / "recipes" / "ci.yaml"), "--out", str(tmp_path), "--quiet"]) == 0
     data_cfg = OmegaConf.create({"max_prompt_length": 4096, "filter_overlong_prompts": True, "truncation": "error",
                                  "filter_overlong_prompts_workers": 1})
     ds = RLHFDataset(str(tmp_path / "train.parquet"), tok, data_cfg)
