@@ -24,7 +24,8 @@ with `agent.parser`, and passes one of the two).
     subgoals_done    how many subgoals are met so far, of `subgoals_total`
     place, holding   where the agent is and what it holds
     learned          the facts the agent's belief gained this step, sorted (`seen:ID`, `locked:ID`, ...)
-    known            the agent's belief as the prompt builder renders it (`agent.prompt.render_known`)
+    known            the agent's belief as the prompt builder renders it (`agent.prompt.render_known`), a
+                     mapping computed when first read: read it before the next step
     human_reply      what a person said when the step talked to someone or asked for help, else None
     answer           the answer of a `report` the controller accepted, else None
 
@@ -42,7 +43,7 @@ import gymnasium as gym
 from gymnasium import spaces
 
 from sandbox.controller import EnvController
-from sandbox.observation import known_map
+from sandbox.observation import KnownMap
 from sandbox.schema import TaskInstance
 from sandbox.skills import StepResult
 from sandbox.world import Compiled
@@ -73,6 +74,7 @@ class SandboxEnv(gym.Env):
         self.last_result: StepResult | None = None  # the controller's result of the last step (None after reset)
         self._cache: dict[int, tuple] = {}   # id(task) -> (task, Compiled, EnvController)
         self._pending_seed: int | None = None
+        self._known: KnownMap | None = None    # the last step's belief map, read lazily
         if task is not None:
             self._use(task)
 
@@ -147,6 +149,8 @@ class SandboxEnv(gym.Env):
         if self.ctrl is None:
             raise RuntimeError("call reset() before step()")
         ctrl = self.ctrl
+        if self._known is not None:
+            self._known.expire()   # the world changes now
         before = set(ctrl.world.learned)
         if isinstance(action, dict) and "parse_error" in action and "name" not in action:
             if ctrl.done:
@@ -172,11 +176,12 @@ class SandboxEnv(gym.Env):
     def _info(self, res: StepResult, learned: list[str]) -> dict:
         ctrl, world = self.ctrl, self.ctrl.world
         done, total = ctrl.subgoal_progress()
+        self._known = KnownMap(world)
         return {"state_key": res.state_key, "steps": ctrl.steps, "step_budget": self._compiled.task.step_budget,
                 "error": res.error, "trigger": res.trigger, "success": ctrl.success,
                 "subgoals_met": res.subgoals_met, "subgoals_done": done, "subgoals_total": total,
                 "place": world.agent_place, "holding": list(world.holding), "learned": learned,
-                "known": known_map(world), "human_reply": None, "answer": None}
+                "known": self._known, "human_reply": None, "answer": None}
 
     def render(self):
         return self._last_obs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 from sandbox.world import HELD, World
 
 _FACT_TEXT = {
@@ -45,3 +47,38 @@ def known_map(w: World) -> dict:
     return {"place": w.agent_place, "holding": list(w.holding), "places": places, "landmarks": landmarks,
             "connections": conns, "unvisited": [p for _, p in w.unvisited()],
             "objects": objects, "people": people, "facts": facts}
+
+
+class KnownMap(Mapping):
+    """`known_map` of the world after one step, computed when first read: a scripted policy that never reads it
+    (the expert plans from the world) does not pay for it, about a third of a step. Read it before the env steps
+    again (the episode loop does); a view not read by then has expired, and reading it is an error rather than
+    another step's map."""
+
+    __slots__ = ("_world", "_map")
+
+    def __init__(self, world: World):
+        self._world: World | None = world
+        self._map: dict | None = None
+
+    def _data(self) -> dict:
+        if self._map is None:
+            if self._world is None:
+                raise RuntimeError("this known map belongs to an earlier step of the env and was never read; read "
+                                   "info['known'] before the next step")
+            self._map = known_map(self._world)
+        return self._map
+
+    def expire(self) -> None:
+        """The world is about to change: a view not read yet can no longer be."""
+        if self._map is None:
+            self._world = None
+
+    def __getitem__(self, key: str):
+        return self._data()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data())
+
+    def __len__(self) -> int:
+        return len(self._data())

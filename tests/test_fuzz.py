@@ -230,6 +230,20 @@ def test_the_episode_loop_never_raises_on_model_output(gym_env, fuzz_tasks, fuzz
         assert (turn.tool_call is None) == (info["error"] == "parse_error")
 
 
+def test_the_known_map_is_this_steps_and_never_a_later_ones(gym_env, world_data):
+    """info["known"] is computed when first read: read before the next step it is that step's belief map; a map
+    left unread until after the next step is an error, not the newer map."""
+    from sandbox.observation import known_map
+    _, info = gym_env.reset(options={"task": world_data})
+    first = dict(info["known"])                                   # read now: kept
+    assert first == known_map(gym_env.unwrapped.ctrl.world) and first["place"] == "hall"
+    _, _, _, _, moved = gym_env.step({"name": "navigate", "arguments": {"target": "kitchen"}})
+    assert dict(info["known"]) == first                           # still the reset's map
+    gym_env.step({"name": "look_around", "arguments": {}})        # `moved` was never read before this step
+    with pytest.raises(RuntimeError, match="earlier step"):
+        moved["known"]["place"]
+
+
 def test_gym_env_reset_accepts_a_task_dict(gym_env, world_data):
     obs, info = gym_env.reset(options={"task": world_data})
     assert "hall" in obs and info["error"] is None
