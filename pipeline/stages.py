@@ -316,23 +316,28 @@ def make_rl_trainer(recipe: Recipe, out: Path, init: Path, algorithm: str | None
                     show_progress: bool = True, cpu: bool | None = None) -> GiGPOTrainer:
     """The RL run of a recipe: its task pool (`rl.task_pool`), test split, reward engine and persona handed to
     `rl.trainer.GiGPOTrainer`, which starts from the checkpoint `init`. `algorithm`, `seed` and `iterations`
-    override the recipe."""
+    override the recipe. The RL stage's one progress bar shows the tasks being built, then the iterations."""
     cfg = recipe.rl
     updates = {k: v for k, v in (("algorithm", algorithm), ("iterations", iterations)) if v is not None}
     if updates:
         cfg = type(cfg).model_validate({**cfg.model_dump(), **updates})
-    splits = build_tasks(recipe, show_progress=False)[0]
+    bar = StageBar("rl", enabled=show_progress)
+    splits = build_tasks(recipe, bar=bar)[0]
     pool = splits["train"] if cfg.task_pool == "train" else build_rl_pool(recipe, splits,
-                                                                        cfg.pool_instructions_per_scene)
+                                                                        cfg.pool_instructions_per_scene, bar=bar)
     compositional = {t.id for t in compositional_split(splits["train"], splits["test"])}
     return GiGPOTrainer(cfg, init, out, pool, splits["test"], make_reward_engine(recipe),
                         seed=recipe.seed if seed is None else seed, eval_seed=recipe.eval.seed,
                         compositional=compositional, human_factory=human_factory(recipe), name=recipe.name,
-                        resume=resume, restart=restart, show_progress=show_progress, cpu=cpu)
+                        resume=resume, restart=restart, show_progress=show_progress, cpu=cpu, bar=bar)
 
 
 def run_rl_stage(recipe: Recipe, out: Path, init: Path, **options) -> dict:
     """GiGPO (or GRPO) from the checkpoint `init` (`make_rl_trainer` takes the options). Writes OUT/
     (checkpoints/, final/, metrics.jsonl, metrics.json, curves.png) and returns the run's summary (on the main
     process)."""
-    return make_rl_trainer(recipe, out, init, **options).train()
+    trainer = make_rl_trainer(recipe, out, init, **options)
+    try:
+        return trainer.train()
+    finally:
+        trainer.bar.close()

@@ -39,6 +39,7 @@ from agent.clients import TransformersClient
 from agent.episode import play
 from agent.metrics import aggregate, split_metrics
 from agent.policies import ChatPolicy
+from agent.progress import StageBar
 from agent.trajectory import write_json
 from rl.config import GiGPOConfig, RewardMix
 from rl.gigpo import anchor_state_groups, get_advantage_estimator
@@ -125,12 +126,12 @@ class GiGPOTrainer:
     `compositional`: ids of test tasks whose targets were never targets in training (their evaluation block).
     `seed` (plus the config's `seed_offset`) seeds every draw; `eval_seed` the evaluation episodes and the
     pool sample, the same for every seed and algorithm. `human_factory(compiled)` makes who answers the agent
-    (default: the rule persona)."""
+    (default: the rule persona). Progress shows on `bar` (the RL stage's bar), or a bar of its own."""
 
     def __init__(self, config: GiGPOConfig, init: str | Path, out: str | Path, train_tasks: list, eval_tasks: list,
                  reward_engine, *, seed: int = 0, eval_seed: int = 0, compositional=(), human_factory=None,
                  name: str = "rl", resume: bool = False, restart: bool = False, show_progress: bool = True,
-                 cpu: bool | None = None):
+                 cpu: bool | None = None, bar: StageBar | None = None):
         self.cfg = config
         self.init, self.out = Path(init), Path(out)
         self.seed = seed + config.seed_offset
@@ -138,7 +139,7 @@ class GiGPOTrainer:
         self.rewarder, self.human_factory = reward_engine, human_factory
         self.name = name
         self.resume, self.restart = resume, restart
-        self.show_progress, self.cpu = show_progress, cpu
+        self.show_progress, self.cpu, self.bar = show_progress, cpu, bar
         if not (self.init / "config.json").is_file():
             raise RLError(f"{self.init}: no model checkpoint there (no config.json). `embodistill sft RECIPE` "
                           "writes outputs/<recipe>/sft/final; an RL run writes OUT/final")
@@ -592,31 +593,33 @@ class GiGPOTrainer:
     def train(self) -> dict:
         """Evaluate the start, run the iterations (evaluating and checkpointing on schedule), save OUT/final,
         OUT/metrics.json and OUT/curves.png. Returns the summary (on the main process; {} on the others)."""
-        from tqdm import tqdm
         self.setup()
         cfg, acc = self.cfg, self.acc
         ckpt = self.latest_checkpoint()
         if ckpt is not None and self.resume:
             self._restore_rng(ckpt)
         t_run = time.perf_counter()
-        bar = tqdm(total=cfg.iterations, initial=self.start_iteration, desc=f"rl: {cfg.algorithm}", unit="it",
-                   disable=not (self.show_progress and acc.is_main_process))
+        bar = self.bar or StageBar("rl", enabled=self.show_progress and acc.is_main_process)
+        bar.phase(cfg.algorithm, cfg.iterations, unit="it")
+        bar.update(self.start_iteration)
         if self.start_iteration == 0 and cfg.eval_every:
-            bar.set_postfix_str("evaluating the start")
+            bar.postfix("evaluating the start")
             self.log_eval(self.evaluate(0))
         for it in range(self.start_iteration, cfg.iterations):
             row = self.iteration(it)
             row["rss_mb"] = round(_rss_mb(), 1)
             self.log(row)
             bar.update(1)
-            bar.set_postfix(success=row["success_rate"], ret=row["mean_return"], s=row["iteration_s"])
+            bar.postfix(f"success {row['success_rate']:.2f}, return {row['mean_return']:.2f}, "
+                        f"{row['iteration_s']:.0f} s/it")
             done = it + 1
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.iterations):
-                bar.set_postfix_str(f"evaluating iteration {done}")
+                bar.postfix(f"evaluating iteration {done}")
                 self.log_eval(self.evaluate(done))
             if done % cfg.save_every == 0 or done == cfg.iterations:
                 self.save_checkpoint(done)
-        bar.close()
+        if self.bar is None:
+            bar.close()
         summary = None
         if acc.is_main_process:
             final, tmp = self.out / "final", self.out / ".tmp-final"
