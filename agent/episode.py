@@ -66,6 +66,12 @@ class Reply:
     stopped: bool = True                     # False: the response was cut at max_new_tokens
 
 
+def episode_seed(seed: int, index: int) -> int:
+    """The seed of the episode at `index` of a run seeded `seed` (the teacher, evaluation and RL's evaluations
+    derive theirs this way)."""
+    return seed * 100_003 + index
+
+
 class Policy(Protocol):
     name: str
     reads_prompt: bool   # False: the loop builds no step prompt for it (a scripted policy acts on `info`)

@@ -6,8 +6,8 @@ from collections import Counter
 
 from agent.trajectory import Trajectory
 from sandbox.schema import INVALID_CODES
+from sandbox.skills import HELP_SKILLS
 
-HELP_SKILLS = {"ask_for_help", "talk_to"}
 
 
 def has_loop(t: Trajectory, repeats: int = 3) -> bool:

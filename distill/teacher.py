@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from agent.clients import ClientSpec, make_client
-from agent.episode import play
+from agent.episode import episode_seed, play
 from agent.policies import ChatPolicy, ScriptedPolicy
 from agent.trajectory import Trajectory, write_json
 from sandbox.agents import ExpertAgent
@@ -42,11 +42,6 @@ PARTIAL_KEY = "trajectories.partial.key.json"
 
 class TeacherError(RuntimeError):
     """The teacher run cannot go on (a model endpoint failed for good, or the resume file does not match)."""
-
-
-def episode_seed(recipe_seed: int, index: int) -> int:
-    """The episode seed of the task at `index` (as `evaluation.sandbox_eval.episode_seeds` derives them)."""
-    return recipe_seed * 100_003 + index
 
 
 def teacher_name(teacher: str | ClientSpec) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from agent.clients import TransformersClient
-from agent.episode import play
+from agent.episode import episode_seed, play
 from agent.metrics import split_metrics
 from agent.policies import ChatPolicy, ScriptedPolicy
 from agent.trajectory import Trajectory
@@ -21,11 +21,6 @@ from sandbox.gym_env import SandboxEnv
 from sandbox.schema import TaskInstance
 
 SCRIPTED = {"expert": ExpertAgent, "random": RandomAgent}
-
-
-def episode_seeds(seed: int, n: int) -> list[int]:
-    """The episode seeds of a split's n tasks, in task order."""
-    return [seed * 100_003 + i for i in range(n)]
 
 
 def make_policy(policy: str, constrained: bool = False):
@@ -43,6 +38,6 @@ def evaluate(tasks: list[TaskInstance], policy: str, seed: int = 0, progress: Ca
              ) -> tuple[dict, list[Trajectory]]:
     """Play every task once (greedy for a model) and score the split: metrics per difficulty and "all"."""
     played = play(lambda: SandboxEnv(human_factory=human_factory), make_policy(policy, constrained),
-                  [({"task": t}, s) for t, s in zip(tasks, episode_seeds(seed, len(tasks)), strict=True)],
+                  [({"task": t}, episode_seed(seed, i)) for i, t in enumerate(tasks)],
                   batch_size=batch_size, on_done=(lambda i, e: progress(1)) if progress else None)
     return split_metrics(played.trajectories), played.trajectories

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from agent.clients import TransformersClient
-from agent.episode import play
+from agent.episode import episode_seed, play
 from agent.metrics import aggregate, split_metrics
 from agent.policies import ChatPolicy
 from agent.progress import StageBar
@@ -497,7 +497,7 @@ class GiGPOTrainer:
                                 name="student")
 
             def play_greedy(tasks: list, first_seed: int) -> list:
-                seeds = [self.eval_seed * 100_003 + first_seed + i for i in range(len(tasks))]
+                seeds = [episode_seed(self.eval_seed, first_seed + i) for i in range(len(tasks))]
                 return play(lambda: SandboxEnv(human_factory=self.human_factory), policy,
                             [({"task": t}, s) for t, s in zip(tasks, seeds, strict=True)],
                             batch_size=self.cfg.eval_batch, memory_size=self.cfg.memory_size).trajectories

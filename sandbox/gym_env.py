@@ -45,11 +45,10 @@ from gymnasium import spaces
 from sandbox.controller import EnvController
 from sandbox.observation import KnownMap
 from sandbox.schema import TaskInstance
-from sandbox.skills import StepResult
+from sandbox.skills import HELP_SKILLS, StepResult
 from sandbox.world import Compiled
 
 _CHARSET = string.printable
-HELP_SKILLS = ("talk_to", "ask_for_help")
 
 
 class SandboxEnv(gym.Env):

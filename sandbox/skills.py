@@ -13,6 +13,9 @@ from functools import cached_property
 
 from sandbox.schema import HELP_REQUESTS
 
+# the skills that ask a person something (their replies are recorded; help requests are counted)
+HELP_SKILLS = frozenset({"talk_to", "ask_for_help"})
+
 
 @dataclass(slots=True)
 class StepResult:
