@@ -40,7 +40,7 @@ MAX_BACKOFF_S = 30.0   # one wait between retries never exceeds this, whatever b
 class OpenAIClientConfig(BaseModel):
     """The settings of an `OpenAIClient` (validated: a bad value names its field)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str = Field(min_length=1)
     base_url: str | None = None
@@ -406,7 +406,7 @@ class ClientSpec(BaseModel):
     """A model client as a recipe names it. `openai`: any OpenAI-compatible endpoint (`model`, `base_url`, key
     from `api_key_env`); `transformers`: a local folder (`model` is its path)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     kind: Literal["openai", "transformers"]
     model: str = Field(min_length=1)

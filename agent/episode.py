@@ -29,6 +29,7 @@ stops there, unrecorded (`Episode.error`); `play` raises it unless `raise_errors
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
@@ -66,10 +67,12 @@ class Reply:
     stopped: bool = True                     # False: the response was cut at max_new_tokens
 
 
-def episode_seed(seed: int, index: int) -> int:
-    """The seed of the episode at `index` of a run seeded `seed` (the teacher, evaluation and RL's evaluations
-    derive theirs this way)."""
-    return seed * 100_003 + index
+def episode_seed(seed: int, task_id: str) -> int:
+    """The seed of the episode of task `task_id` in a run seeded `seed` (the teacher, evaluation and RL's
+    evaluations derive theirs this way): a function of the two alone, so a task plays the same whatever the
+    order or subset of the tasks around it."""
+    digest = hashlib.sha256(f"{seed}|{task_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 class Policy(Protocol):

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class TurnState(BaseModel):
@@ -37,7 +37,7 @@ class SubgoalInfo(BaseModel):
 class Turn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    index: int
+    index: int = Field(ge=0)
     prompt: list[dict] = Field(default_factory=list)   # the messages the policy saw
     reasoning: str = ""
     tool_call: dict | None = None                      # {"name", "arguments"}; None if unparseable
@@ -49,6 +49,16 @@ class Turn(BaseModel):
     subgoals_met: list[str] = Field(default_factory=list)
     human_reply: str | None = None
     state: TurnState | None = None
+
+    @field_validator("tool_call")
+    @classmethod
+    def _call_shape(cls, v):
+        if v is not None:
+            if not isinstance(v.get("name"), str):
+                raise ValueError(f"a tool call's name is a string, not {v.get('name')!r}")
+            if not isinstance(v.get("arguments", {}), dict):
+                raise ValueError(f"a tool call's arguments are an object, not {v.get('arguments')!r}")
+        return v
 
 
 class Trajectory(BaseModel):
@@ -66,12 +76,19 @@ class Trajectory(BaseModel):
     success: bool = False
     terminated: bool = False
     truncated: bool = False
-    subgoals_total: int = 0
+    subgoals_total: int = Field(default=0, ge=0)
     subgoals: list[SubgoalInfo] = Field(default_factory=list)
     initial_subgoals_met: list[str] = Field(default_factory=list)   # already true in the initial state
-    subgoals_met: int = 0
-    optimal_steps: int = 0
+    subgoals_met: int = Field(default=0, ge=0)    # at most the subgoal count (checked below)
+    optimal_steps: int = Field(default=0, ge=0)
     final_answer: str | None = None
+
+    @model_validator(mode="after")
+    def _counts_in_range(self):
+        total = self.subgoals_total or len(self.subgoals)
+        if self.subgoals_met > total:
+            raise ValueError(f"subgoals_met ({self.subgoals_met}) is more than the task's subgoals ({total})")
+        return self
 
 
 def _umask() -> int:
@@ -115,13 +132,45 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     return Path(path)
 
 
-def open_text(path: str | Path):
-    """Open a text file for reading; a `.gz` name is read through gzip (shipped data sets are compressed)."""
+class DataFileError(ValueError):
+    """A data file that cannot be read at all (missing, a corrupt or truncated gzip); names the file and where."""
+
+
+def read_text(path: str | Path) -> str:
+    """A whole text file (`.gz`: through gzip) as UTF-8, a BOM dropped; a bad byte or a broken gzip raises
+    `DataFileError` naming the file and the line."""
+    lines = []
+    for i, text, err in numbered_lines(path):
+        if err:
+            raise DataFileError(f"{path}:{i}: {err}")
+        lines.append(text)
+    return "".join(lines)
+
+
+def numbered_lines(path: str | Path) -> Iterator[tuple[int, str | None, str | None]]:
+    """Each line of a text file as (line number, text, None), or (line number, None, reason) for a line that
+    is not UTF-8, so one bad byte costs one line, not the file. A UTF-8 BOM before line 1 is dropped. A `.gz`
+    file is read through gzip; a truncated or corrupt one raises `DataFileError` after its last whole line."""
+    import gzip
+    import zlib
     path = Path(path)
-    if path.suffix == ".gz":
-        import gzip
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+    if not path.is_file():
+        raise DataFileError(f"{path}: no such file")
+    i = 0
+    try:
+        with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as f:
+            for i, raw in enumerate(f, 1):
+                if i == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                    raw = raw[3:]
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield i, None, f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+                    continue
+                yield i, text, None
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise DataFileError(f"{path}: a corrupt or truncated gzip file, unreadable after line {i} "
+                            f"({type(e).__name__}: {e})") from None
 
 
 def write_jsonl(path: str | Path, rows: Iterable[BaseModel]) -> None:
@@ -144,13 +193,15 @@ def write_jsonl(path: str | Path, rows: Iterable[BaseModel]) -> None:
 
 
 def read_jsonl(path: str | Path, model: type[BaseModel]) -> Iterator[BaseModel]:
-    with open_text(path) as f:
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield model.model_validate_json(line)
-                except Exception as e:  # name the file and line
-                    raise ValueError(f"{path}:{i}: {e}") from e
+    """Every row of a JSONL file (`.gz`: gzip); the first bad line raises ValueError naming the file and line."""
+    for i, line, err in numbered_lines(path):
+        if err:
+            raise DataFileError(f"{path}:{i}: {err}")
+        if line.strip():
+            try:
+                yield model.model_validate_json(line)
+            except Exception as e:  # name the file and line
+                raise ValueError(f"{path}:{i}: {e}") from e
 
 
 def write_json(path: str | Path, obj) -> None:
@@ -168,21 +219,23 @@ def read_jsonl_lenient(path: str | Path, model: type[BaseModel]) -> tuple[list[t
     Returns ([(line number, row)], [errors])."""
     from pydantic import ValidationError
     rows, errors = [], []
-    with open_text(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
+    for i, line, err in numbered_lines(path):
+        if err:
+            errors.append({"line": i, "error": err})
+            continue
+        if not line.strip():
+            continue
+        try:
+            rows.append((i, model.model_validate_json(line)))
+        except ValidationError as e:
+            if e.errors()[0]["type"] == "json_invalid":
+                errors.append({"line": i, "error": f"not JSON: {e.errors()[0]['msg'][:120]}"})
                 continue
-            try:
-                rows.append((i, model.model_validate_json(line)))
-            except ValidationError as e:
-                if e.errors()[0]["type"] == "json_invalid":
-                    errors.append({"line": i, "error": f"not JSON: {e.errors()[0]['msg'][:120]}"})
-                    continue
-                parts = []
-                for x in e.errors()[:3]:
-                    where = ".".join(str(p) for p in x["loc"]) or "(line)"
-                    parts.append(f"{where}: {x['msg']}")
-                errors.append({"line": i, "error": "; ".join(parts)})
-            except ValueError as e:
-                errors.append({"line": i, "error": f"not JSON: {str(e)[:120]}"})
+            parts = []
+            for x in e.errors()[:3]:
+                where = ".".join(str(p) for p in x["loc"]) or "(line)"
+                parts.append(f"{where}: {x['msg']}")
+            errors.append({"line": i, "error": "; ".join(parts)})
+        except ValueError as e:
+            errors.append({"line": i, "error": f"not JSON: {str(e)[:120]}"})
     return rows, errors

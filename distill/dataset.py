@@ -123,8 +123,8 @@ def build_rows(kept: list[Trajectory], tasks: dict[str, TaskInstance], scores: d
                validation_fraction: float, seed: int) -> tuple[dict[str, dict[str, list[dict]]], dict]:
     """{config: {split: rows}} in trajectory order, and {split: [instruction ids]}."""
     if not kept:
-        raise DatasetBuildError("no trajectory passed the filter, so there is nothing to train on: see "
-                                "metrics.json filter.rejected_reasons and the distill thresholds")
+        raise DatasetBuildError("no trajectory passed the filter, so there is nothing to train on (see the "
+                                "distill thresholds)")
     missing = [t.task_id for t in kept if t.task_id not in tasks]
     if missing:
         raise DatasetBuildError(f"no task for trajectories {missing[:3]} (the tasks changed since the teacher ran)")
@@ -195,6 +195,10 @@ def write_artifact(out: str | Path, rows: dict[str, dict[str, list[dict]]], card
     bytes on disk}, and returns README.md's text. Returns the sizes."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    # what a killed write left: its temp folder, or the old folder it was swapping out
+    for left in [*out.parent.glob(f".{out.name}.*.tmp"), out.parent / f".{out.name}.old"]:
+        if left.is_dir():
+            shutil.rmtree(left)
     tmp = Path(temp_beside(out, directory=True)[1])
     try:
         sizes = {c: {s: write_parquet(rows[c][s], c, tmp / data_path(c, s)) for s in SPLITS} for c in CONFIGS}

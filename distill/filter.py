@@ -60,7 +60,7 @@ class Decision(BaseModel):
     difficulty: str
     kept: bool
     reasons: list[str]
-    episode_score: float
+    episode_score: float | None     # None: a turn verdict failed (then also "judge_error")
     bad_turn_share: float
     loop_share: float
 
@@ -77,7 +77,7 @@ def decide(traj: Trajectory, verdict: TrajectoryVerdict, th: FilterThresholds) -
         reasons.append("not_successful")
     if verdict.judge_errors:
         reasons.append("judge_error")
-    if verdict.episode.score < th.min_episode_score:
+    if verdict.episode.score is not None and verdict.episode.score < th.min_episode_score:
         reasons.append("low_score")
     if bad > th.max_bad_turn_share:
         reasons.append("inconsistent_turns")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -31,13 +32,15 @@ from tqdm import tqdm
 from agent.clients import ClientSpec, make_client
 from agent.episode import episode_seed, play
 from agent.policies import ChatPolicy, ScriptedPolicy
-from agent.trajectory import Trajectory, write_json
+from agent.trajectory import Trajectory, write_json, write_jsonl
 from sandbox.agents import ExpertAgent
 from sandbox.gym_env import SandboxEnv
 from sandbox.schema import TaskInstance
 
-PARTIAL = "trajectories.partial.jsonl"
-PARTIAL_KEY = "trajectories.partial.key.json"
+FINAL = "trajectories.jsonl"           # every episode, in task order: written once the run is complete
+PARTIAL = "trajectories.partial.jsonl"  # episodes as they finish (fsynced): what a rerun resumes from
+KEY = "trajectories.key.json"           # the inputs the episodes were played with (`run_key`)
+_OLD_KEY = "trajectories.partial.key.json"   # KEY's name before 2026-12-06
 
 
 class TeacherError(RuntimeError):
@@ -105,18 +108,31 @@ def read_partial(path: Path) -> tuple[list[Trajectory], int]:
     return rows, good_end
 
 
+def _read_key(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _open_partial(folder: Path, key: dict, restart: bool) -> tuple[list[Trajectory], object]:
     """Check the key, read the finished rows, cut a torn tail, and open the file for appending."""
     folder.mkdir(parents=True, exist_ok=True)
-    path, key_path = folder / PARTIAL, folder / PARTIAL_KEY
+    path, key_path, final = folder / PARTIAL, folder / KEY, folder / FINAL
+    if (folder / _OLD_KEY).is_file() and not key_path.exists():
+        os.replace(folder / _OLD_KEY, key_path)
     if restart:
-        for p in (path, key_path):
+        for p in (path, key_path, final):
             p.unlink(missing_ok=True)
+    if not path.exists() and final.is_file() and _read_key(key_path) == key:
+        # a complete run of these inputs (a later step failed, or the stage runs again): resumed, not replayed
+        shutil.copyfile(final, path)
     if not path.exists():
+        final.unlink(missing_ok=True)   # a complete run of other inputs: replaced, and never left looking current
         write_json(key_path, key)
         return [], open(path, "a")
     if not key_path.is_file():
-        raise TeacherError(f"{path} has no {PARTIAL_KEY} beside it, so it cannot be matched to this run: "
+        raise TeacherError(f"{path} has no {KEY} beside it, so it cannot be matched to this run: "
                            "delete it (or pass --restart) to start over")
     try:
         old = json.loads(key_path.read_text())
@@ -164,7 +180,9 @@ def run_teacher(tasks: list[TaskInstance], teacher: str | ClientSpec, folder: st
                 concurrency: int = 8, human_factory=None, persona: dict | None = None, restart: bool = False,
                 progress: Callable[[int], None] | None = None, show_progress: bool = True,
                 client=None) -> TeacherRun:
-    """Play every task once with the teacher, resuming from `folder/trajectories.partial.jsonl`.
+    """Play every task once with the teacher, resuming from `folder/trajectories.partial.jsonl` (or from a
+    complete run's `trajectories.jsonl` made with the same inputs). Writes `folder/trajectories.jsonl` in task
+    order once every episode is done, and removes the partial file.
 
     `progress(n)` is called after each episode is saved (it may raise to stop the run: what was saved stays).
     `client` overrides the client built from a `ClientSpec` (the caller's own ChatModel). An endpoint that
@@ -174,7 +192,7 @@ def run_teacher(tasks: list[TaskInstance], teacher: str | ClientSpec, folder: st
     ids = [t.id for t in tasks]
     if len(set(ids)) != len(ids):
         raise TeacherError("the task list has duplicate ids")
-    seeds = {t.id: episode_seed(recipe_seed, i) for i, t in enumerate(tasks)}
+    seeds = {t.id: episode_seed(recipe_seed, t.id) for t in tasks}
     key = run_key(tasks, teacher, recipe_seed, persona or {"mode": "rule"})
     rows, fh = _open_partial(folder, key, restart)
     done: dict[str, Trajectory] = {}
@@ -226,5 +244,7 @@ def run_teacher(tasks: list[TaskInstance], teacher: str | ClientSpec, folder: st
         raise TeacherError(f"{len(failures)} of {len(todo)} teacher episodes failed (first: task {tid}: "
                            f"{type(first).__name__}: {str(first)[:200]}); the {len(done)} finished ones are saved "
                            f"in {folder / PARTIAL}: rerun to play only the rest") from first
-    return TeacherRun(trajectories=[done[i] for i in ids], resumed=resumed, ran=len(done) - resumed,
-                      client_stats=stats)
+    trajectories = [done[i] for i in ids]
+    write_jsonl(folder / FINAL, trajectories)   # atomic; then the partial file has nothing more to give
+    (folder / PARTIAL).unlink()
+    return TeacherRun(trajectories=trajectories, resumed=resumed, ran=len(done) - resumed, client_stats=stats)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -167,6 +168,9 @@ def game_url(task: BrowserTask) -> tuple[str, str | None]:
     kind, _, name = task.game_id.partition("/") if task.game_id.startswith("miniwob/") else \
         task.game_id.partition(":")
     if kind == "miniwob":
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name) or ".." in name:
+            raise ValueError(f"{task.task_id}: a MiniWoB++ page is named by letters, digits, '.', '_' and '-', "
+                             f"not {name!r}")
         page = miniwob_html() / "miniwob" / f"{name}.html"
         if not page.is_file():
             raise ValueError(f"{task.task_id}: no MiniWoB++ page {name!r} in {page.parent}")

@@ -2,6 +2,7 @@
 
     from evaluation.sandbox_eval import evaluate
     metrics, trajectories = evaluate(tasks, "outputs/medium/sft/final")   # or "expert", "random"
+    metrics, trajectories = evaluate(tasks, ClientSpec(kind="openai", model="m", base_url="http://127.0.0.1:8000/v1"))
 
 Every policy plays through the one episode loop (`agent.episode.play`), `batch_size` episodes in lockstep.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from agent.clients import TransformersClient
+from agent.clients import ClientSpec, TransformersClient, make_client
 from agent.episode import episode_seed, play
 from agent.metrics import split_metrics
 from agent.policies import ChatPolicy, ScriptedPolicy
@@ -23,9 +24,11 @@ from sandbox.schema import TaskInstance
 SCRIPTED = {"expert": ExpertAgent, "random": RandomAgent}
 
 
-def make_policy(policy: str, constrained: bool = False):
+def make_policy(policy: str | ClientSpec, constrained: bool = False):
     """expert | random | a local model folder (with `constrained`, its decoding can only write well-formed calls
-    over ids its prompt shows: `agent.constrained`)."""
+    over ids its prompt shows: `agent.constrained`) | a client spec (any OpenAI-compatible endpoint)."""
+    if isinstance(policy, ClientSpec):
+        return ChatPolicy(make_client(policy), name=policy.model)
     if policy in SCRIPTED:
         return ScriptedPolicy(SCRIPTED[policy], name=policy)
     if not Path(policy).is_dir():
@@ -33,11 +36,11 @@ def make_policy(policy: str, constrained: bool = False):
     return ChatPolicy(TransformersClient(policy, max_new_tokens=96, constrained=constrained), name=Path(policy).name)
 
 
-def evaluate(tasks: list[TaskInstance], policy: str, seed: int = 0, progress: Callable[[int], None] | None = None,
-             human_factory=None, batch_size: int = 16, constrained: bool = False
-             ) -> tuple[dict, list[Trajectory]]:
+def evaluate(tasks: list[TaskInstance], policy: str | ClientSpec, seed: int = 0,
+             progress: Callable[[int], None] | None = None, human_factory=None, batch_size: int = 16,
+             constrained: bool = False) -> tuple[dict, list[Trajectory]]:
     """Play every task once (greedy for a model) and score the split: metrics per difficulty and "all"."""
     played = play(lambda: SandboxEnv(human_factory=human_factory), make_policy(policy, constrained),
-                  [({"task": t}, episode_seed(seed, i)) for i, t in enumerate(tasks)],
+                  [({"task": t}, episode_seed(seed, t.id)) for t in tasks],
                   batch_size=batch_size, on_done=(lambda i, e: progress(1)) if progress else None)
     return split_metrics(played.trajectories), played.trajectories

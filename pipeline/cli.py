@@ -16,14 +16,17 @@ from distill.hub import PushError, push_dataset
 from distill.teacher import TeacherError
 from pipeline.console import stage_log
 from pipeline.main_job import run_main_job
-from pipeline.recipe import RecipeError, load_recipe
+from pipeline.recipe import RecipeError, load_client_spec, load_recipe
 from pipeline.reward_stages import (run_audit, run_evolve, run_export_disputed, run_judge,
                                     run_oracle_labels)
-from pipeline.stages import run_distill_stage, run_eval, run_sft_stage, write_build
+from pipeline.stages import distill_complete, run_distill_stage, run_eval, run_sft_stage, write_build
 from pipeline.verl import write_dataset as write_verl_dataset
 from rl.trainer import RLError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Distill small embodied agents.")
+
+
+JUDGE_ERRORS_EXIT = 3   # `judge`: judged, but too many turn judgments failed
 
 
 def _fail(msg: str) -> None:
@@ -57,7 +60,8 @@ def _pixel_recipe(recipe: Path, episodes: int):
 @app.command("eval")
 def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
              policy: str = typer.Option("expert", help="expert | random | PATH (a model folder, e.g. "
-                                                       "outputs/tiny/sft/final)"),
+                                                       "outputs/tiny/sft/final) | SPEC.yaml (a client spec: "
+                                                       "{kind: openai, model: M, base_url: URL}, sandbox only)"),
              split: str = typer.Option("test", help="train | test (sandbox only)"),
              out: Path = typer.Option(..., "--out", help="output folder for metrics.json"),
              tasks: Optional[Path] = typer.Option(None, help="folder written by `embodistill build` (else built)"),
@@ -79,8 +83,10 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
     """Run a policy on a split (sandbox) or on a BabyAI level from RGB frames (babyai:LEVEL) and write
     metrics.json: TSR, GCR, steps, invalid-action rate per difficulty; or success with a Wilson interval, steps
     against BabyAI's bot, deadlocks and perception accuracy, with report.md and frame strips."""
-    if policy not in ("expert", "random") and not (Path(policy) / "config.json").is_file():
-        _fail(f"--policy must be expert, random or a model folder with config.json, not {policy!r}")
+    spec = Path(policy).is_file() and Path(policy).suffix in (".yaml", ".yml", ".json")
+    if policy not in ("expert", "random") and not spec and not (Path(policy) / "config.json").is_file():
+        _fail(f"--policy must be expert, random, a model folder with config.json or a client spec file (.yaml), "
+              f"not {policy!r}")
     if env.startswith("babyai:"):
         # the pixel extra (minigrid): imported only when asked for
         from evaluation.babyai import LEVELS, VIEWS, evaluate_babyai
@@ -127,7 +133,7 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
         _fail(f"--split must be train or test, not {split!r}")
     try:
         r = load_recipe(recipe)
-        m = run_eval(r, policy, split, out, tasks, show_progress=not quiet)
+        m = run_eval(r, load_client_spec(policy) if spec else policy, split, out, tasks, show_progress=not quiet)
     except RecipeError as e:
         _fail(str(e))
     typer.echo(json.dumps({d: {"tsr": m[d]["tsr"], "gcr": m[d]["gcr"], "episodes": m[d]["episodes"]}
@@ -144,23 +150,39 @@ def judge(trajectories: Path = typer.Option(..., "--trajectories", help="traject
           api_key_env: str = typer.Option("OPENAI_API_KEY", help="environment variable that holds the key"),
           prompt: Optional[Path] = typer.Option(None, help="reward prompt snapshot JSON (default: embedded v1)"),
           cache: Optional[Path] = typer.Option(None, help="verdict cache JSONL (default: OUT/cache.jsonl)"),
+          max_error_share: float = typer.Option(0.0, help="the largest share of turn judgments that may fail (the "
+                                                         "endpoint's errors, unparseable replies) before the "
+                                                         "command exits with code 3"),
           quiet: bool = typer.Option(False, help="no progress bar")):
-    """Judge trajectories: turn verdicts and episode scores as JSONL, plus DIR/summary.json."""
+    """Judge trajectories: turn verdicts and episode scores as JSONL, plus DIR/summary.json. Exit codes: 0 done;
+    2 bad input; 3 judged, but more turn judgments failed than --max-error-share allows (the outputs are
+    written; an episode with a failed turn gets no episode score)."""
     if backend not in ("rule", "openai"):
         _fail(f"--backend must be rule or openai, not {backend!r}")
     if backend == "openai" and not model:
         _fail("--backend openai needs --model")
     if not trajectories.is_file():
         _fail(f"--trajectories {trajectories}: no such file")
+    if not 0.0 <= max_error_share <= 1.0:
+        _fail(f"--max-error-share must be in [0, 1], not {max_error_share}")
     try:
         s = run_judge(trajectories, out, backend=backend, model=model, base_url=base_url, api_key_env=api_key_env,
                       prompt_path=prompt, cache_path=cache, show_progress=not quiet)
     except (RecipeError, ValueError) as e:
         _fail(str(e))
+    if s["trajectories"] == 0:
+        first = s["bad_line_errors"][0] if s["bad_line_errors"] else None
+        _fail(f"{trajectories}: no trajectory to judge" + (f" ({s['bad_lines']} bad lines; line {first['line']}: "
+                                                           f"{first['error']})" if first else ""))
     typer.echo(json.dumps({k: s[k] for k in ("trajectories", "mean_episode_score", "labels", "judge_error",
-                                             "bad_lines")}))
+                                             "judge_error_share", "bad_lines")}))
     for b in s["bad_line_errors"]:
         typer.echo(f"warning: {trajectories}:{b['line']}: {b['error']}", err=True)
+    if s["judge_error_share"] > max_error_share:
+        typer.echo(f"error: {s['judge_error']} of {s['turns']} turn judgments failed (share "
+                   f"{s['judge_error_share']}, more than --max-error-share {max_error_share}); see "
+                   f"{out / 'verdicts.jsonl'} (judge_error) and {out / 'summary.json'}", err=True)
+        raise typer.Exit(code=JUDGE_ERRORS_EXIT)
 
 
 @app.command()
@@ -203,14 +225,14 @@ def sft(recipe: Path = typer.Argument(..., help="recipe YAML"),
     try:
         r = load_recipe(recipe)
         ds = dataset or Path("outputs") / r.name / "distill" / "dataset"
-        if dataset is None and not (ds / "README.md").is_file():
-            typer.echo(f"{ds} is missing: running `embodistill distill` first", err=True)
+        if dataset is None and not distill_complete(ds.parent):
+            typer.echo(f"{ds} is missing or incomplete: running `embodistill distill` first", err=True)
             with stage_log(ds.parent):
                 run_distill_stage(r, ds.parent, show_progress=not quiet)
         folder = out or Path("outputs") / r.name / "sft"
         with stage_log(folder):
             m = run_sft_stage(r, ds, folder, show_progress=not quiet)
-    except (RecipeError, FileNotFoundError, ValueError, TeacherError) as e:
+    except (RecipeError, FileNotFoundError, ValueError, TeacherError, DatasetBuildError) as e:
         _fail(str(e))
     typer.echo(json.dumps({k: m[k] for k in ("train_samples", "params", "steps", "train_loss", "eval_loss",
                                              "final")}))

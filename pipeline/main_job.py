@@ -21,7 +21,7 @@ from typing import Iterator
 
 from pipeline.console import print_tables, stage_log
 from pipeline.recipe import Recipe, load_recipe
-from pipeline.stages import rl_init, run_distill_stage, run_rl_stage, run_sft_stage
+from pipeline.stages import distill_complete, rl_init, run_distill_stage, run_rl_stage, run_sft_stage
 from rl.trainer import RLError
 
 # what torchrun and accelerate set for a process group: hidden while the main process runs a stage alone
@@ -99,7 +99,7 @@ def make_upstream(recipe: Recipe, init: Path, own_sft: bool, quiet: bool) -> lis
     rows = []
     with alone():
         dataset = distill_dir / "dataset"
-        if (dataset / "README.md").is_file():
+        if distill_complete(distill_dir):
             rows.append(_distill_row(recipe, distill_dir, cached=True))
         else:
             t0 = time.perf_counter()

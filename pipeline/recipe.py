@@ -1,7 +1,9 @@
-"""Recipe: one YAML file configures every stage. Strict: unknown keys and bad values name the field."""
+"""Recipe: one YAML file configures every stage. Strict: unknown keys, ill-typed values (`"2"` for a number,
+`true` for a count) and duplicate keys are errors that name the file, the line and the field."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -12,6 +14,22 @@ from agent.clients import ClientSpec
 from rl.config import GiGPOConfig
 from sft.train import SFTSection
 from sandbox.scenes import scene_ids
+
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def safe_name(v: str, what: str) -> str:
+    """`v` if it can name one file or folder inside an output folder, never outside it: letters, digits, '.',
+    '_' and '-', starting with a letter or digit, at most 64 characters. Else a ValueError saying so."""
+    if not _SAFE_NAME.fullmatch(v):
+        raise ValueError(f"{what} may use letters, digits, '.', '_' and '-' (starting with a letter or digit, "
+                         f"at most 64), not {v!r}")
+    return v
+
+
+class RecipeError(ValueError):
+    """A recipe or task file is malformed; the message names the file, the line and the field."""
 
 
 class _Strict(BaseModel):
@@ -115,7 +133,7 @@ class DistillSection(_Strict):
 
 
 class Recipe(_Strict):
-    name: str
+    name: str   # a folder under outputs/ (`safe_name`)
     seed: int = 0
     sandbox: SandboxSection = Field(default_factory=SandboxSection)
     eval: EvalSection = Field(default_factory=EvalSection)
@@ -124,30 +142,105 @@ class Recipe(_Strict):
     sft: SFTSection = Field(default_factory=SFTSection)
     rl: GiGPOConfig = Field(default_factory=GiGPOConfig)
 
+    @field_validator("name")
+    @classmethod
+    def _folder_name(cls, v):
+        return safe_name(v, "the recipe name (a folder under outputs/)")
 
-class RecipeError(ValueError):
-    """A recipe or task file is malformed; the message names the file and the field."""
+
+class _RecipeYAML(yaml.SafeLoader):
+    """PyYAML's safe loader, stricter: a duplicate key is an error (PyYAML keeps the last one silently), and
+    `1e-3` is a number as in YAML 1.2 (PyYAML follows YAML 1.1, where a float needs a dot: `1e-3` is a string)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+_RecipeYAML.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+                                                                      r"[eE][-+]?[0-9]+$"), list("-+0123456789."))
+
+
+def read_yaml_text(path: Path, what: str = "file") -> str:
+    """A YAML file's text, decoded as UTF-8 (a BOM is dropped); a bad byte names its line and column."""
+    if path.is_dir():
+        raise RecipeError(f"{path}: is a directory, not a {what}")
+    if not path.is_file():
+        raise RecipeError(f"{path}: no such {what}")
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise RecipeError(f"{path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {col})") from None
+
+
+def load_client_spec(path: str | Path) -> ClientSpec:
+    """A model client spec from a YAML (or JSON) file, as strict as a recipe's (`kind`, `model`, `base_url`,
+    ...); a problem raises `RecipeError` naming the file, the line and the field."""
+    path = Path(path)
+    data, root = _read_yaml(path, "client spec file")
+    try:
+        return ClientSpec.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError(format_validation(path, e, root)) from None
+
+
+def _read_yaml(path: Path, what: str):
+    """(the mapping a YAML file holds, its node tree for line numbers), or `RecipeError`."""
+    text = read_yaml_text(path, what)
+    try:
+        loader = _RecipeYAML(text)
+        root = loader.get_single_node()
+        data = loader.construct_document(root) if root is not None else None
+    except yaml.MarkedYAMLError as e:
+        where = f":{e.problem_mark.line + 1}" if e.problem_mark is not None else ""
+        raise RecipeError(f"{path}{where}: not a valid {what.split()[0]}: {e.problem}") from None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a {what.removesuffix(' file')} must be a YAML mapping")
+    return data, root
 
 
 def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a recipe; any problem raises `RecipeError` with `FILE:LINE: field: reason`."""
     path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"{path}: no such recipe file")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML: {e}") from e
-    if not isinstance(data, dict):
-        raise RecipeError(f"{path}: a recipe must be a YAML mapping")
+    data, root = _read_yaml(path, "recipe file")
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:
-        raise RecipeError(format_validation(path, e)) from e
+        raise RecipeError(format_validation(path, e, root)) from None
 
 
-def format_validation(path, e: ValidationError) -> str:
+def _line(node, loc) -> int | None:
+    """The 1-based line of the YAML node at `loc` (a pydantic error location), or of its nearest parent."""
+    line = node.start_mark.line + 1 if node is not None else None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            node = next((v for k, v in node.value if getattr(k, "value", None) == part), None)
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+        else:
+            break   # a union member's name or a model-level error: the parent's line
+        if node is None:
+            break
+        line = node.start_mark.line + 1
+    return line
+
+
+def format_validation(path, e: ValidationError, root=None) -> str:
+    """One line per error (at most 5): `FILE[:LINE]: field: reason`."""
     lines = []
     for err in e.errors()[:5]:
         field = ".".join(str(x) for x in err["loc"]) or "(top level)"
-        lines.append(f"{path}: {field}: {err['msg']}")
+        line = _line(root, err["loc"]) if root is not None else None
+        lines.append(f"{path}{f':{line}' if line else ''}: {field}: {err['msg']}")
     return "\n".join(lines)

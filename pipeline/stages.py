@@ -7,20 +7,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from collections import Counter
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from agent.clients import make_client
+from agent.clients import ClientSpec, make_client
 from agent.llm_builder import LLMBuilder
 from agent.llm_persona import LLMHumanAgent
 from agent.metrics import split_metrics
 from agent.progress import StageBar
-from agent.trajectory import write_json, write_jsonl
+from agent.trajectory import numbered_lines, write_json, write_jsonl
 from distill.card import card_metadata, render_card
-from distill.dataset import build_rows, write_artifact
+from distill.dataset import DatasetBuildError, build_rows, write_artifact
 from distill.filter import FilterThresholds, filter_stats, judge_and_filter
 from distill.teacher import run_teacher, teacher_description, teacher_name
 from evaluation.sandbox_eval import evaluate
@@ -132,14 +133,15 @@ def load_tasks(folder: Path, split: str) -> list[TaskInstance]:
     if not files:
         raise RecipeError(f"{folder}: no {split}_*.jsonl task files")
     for f in files:
-        with open(f) as fh:
-            for i, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    tasks.append(TaskInstance.model_validate_json(line))
-                except ValidationError as e:
-                    raise RecipeError(format_validation(f"{f}:{i}", e)) from e
+        for i, line, bad in numbered_lines(f):
+            if bad:
+                raise RecipeError(f"{f}:{i}: {bad}")
+            if not line.strip():
+                continue
+            try:
+                tasks.append(TaskInstance.model_validate_json(line))
+            except ValidationError as e:
+                raise RecipeError(format_validation(f"{f}:{i}", e)) from None
     order = {"easy": 0, "medium": 1, "hard": 2}
     return sorted(tasks, key=lambda t: (order[t.difficulty], t.id))
 
@@ -152,24 +154,27 @@ def human_factory(recipe: Recipe):
     return lambda compiled: LLMHumanAgent(compiled, client, cache=cache)
 
 
-def run_eval(recipe: Recipe, policy: str, split: str, out: Path, tasks_dir: Path | None = None,
+def run_eval(recipe: Recipe, policy: str | ClientSpec, split: str, out: Path, tasks_dir: Path | None = None,
              show_progress: bool = True) -> dict:
+    """Play `policy` (expert, random, a model folder or a client spec) on a split; writes OUT/metrics.json,
+    OUT/trajectories.jsonl and OUT/manifest.json."""
     bar = StageBar("eval", enabled=show_progress)
     if tasks_dir is not None:
         tasks = load_tasks(tasks_dir, split)
     else:
         tasks = build_tasks(recipe, bar=bar)[0][split]
-    bar.phase(f"{policy} on {split}", len(tasks), unit="ep")
+    name = f"{policy.kind}:{policy.model}" if isinstance(policy, ClientSpec) else policy
+    bar.phase(f"{name} on {split}", len(tasks), unit="ep")
     metrics, trajs = evaluate(tasks, policy, seed=recipe.eval.seed, progress=bar.update,
                               human_factory=human_factory(recipe), constrained=recipe.eval.constrained)
     bar.close()
-    metrics["policy"], metrics["split"] = policy, split
-    if policy not in ("expert", "random"):
+    metrics["policy"], metrics["split"] = name, split
+    if isinstance(policy, str) and policy not in ("expert", "random"):
         metrics["constrained_decoding"] = recipe.eval.constrained
     write_jsonl(out / "trajectories.jsonl", trajs)
     write_json(out / "metrics.json", metrics)
     write_json(out / "manifest.json", {"stage": "eval", "recipe": recipe.name, "recipe_hash": recipe_hash(recipe),
-                                       "policy": policy, "split": split,
+                                       "policy": name, "split": split,
                                        "tasks_sha256": hashlib.sha256(json.dumps(
                                            [t.id for t in tasks]).encode()).hexdigest()[:16]})
     return metrics
@@ -202,11 +207,13 @@ def run_distill_stage(recipe: Recipe, out: Path, tasks_dir: Path | None = None, 
     """Teacher rollouts on the train split -> judge filter -> SFT dataset artifact (parquet + card).
 
     Writes OUT/teacher/trajectories.jsonl (all episodes, task order), OUT/verdicts.jsonl, OUT/decisions.jsonl,
-    OUT/dataset/ (both configs, README.md card), OUT/metrics.json and OUT/manifest.json. The teacher run resumes
-    from OUT/teacher/trajectories.partial.jsonl; judging and the dataset are recomputed (they are fast and
-    deterministic), so a rerun gives the same bytes."""
+    OUT/dataset/ (both configs, README.md card), OUT/metrics.json and, last, OUT/manifest.json: the mark that
+    the stage completed (`distill_complete`). The previous run's outputs are removed first, so a failed run
+    leaves none that look current. The teacher run resumes from OUT/teacher/; judging and the dataset are
+    recomputed (they are fast and deterministic), so a rerun gives the same bytes."""
     d = recipe.distill
     t0 = time.time()
+    begin_stage(out, DISTILL_OUTPUTS)
     build_stats = None
     bar = StageBar("distill", enabled=show_progress)
     if tasks_dir is not None:
@@ -231,7 +238,6 @@ def run_distill_stage(recipe: Recipe, out: Path, tasks_dir: Path | None = None, 
         raise
     teacher_s = time.time() - t1
     trajs = run.trajectories
-    write_jsonl(out / "teacher" / "trajectories.jsonl", trajs)
     engine = make_reward_engine(recipe)
     th = FilterThresholds(min_episode_score=d.min_episode_score, max_bad_turn_share=d.max_bad_turn_share,
                           max_loop_share=d.max_loop_share)
@@ -245,7 +251,11 @@ def run_distill_stage(recipe: Recipe, out: Path, tasks_dir: Path | None = None, 
     scores = {dec.task_id: dec.episode_score for dec in decisions}
     by_id = {t.id: t for t in tasks}
     name = teacher_name(d.teacher)
-    rows, instructions = build_rows(kept, by_id, scores, name, d.validation_fraction, recipe.seed)
+    try:
+        rows, instructions = build_rows(kept, by_id, scores, name, d.validation_fraction, recipe.seed)
+    except DatasetBuildError as e:
+        raise DatasetBuildError(f"{out}: {e} (rejected: {fstats['rejected_reasons']}; each episode's reasons are "
+                                f"in {out / 'decisions.jsonl'})") from None
     tm = split_metrics(trajs)
     kept_tasks = [by_id[t.task_id] for t in kept]
     prompt = engine.prompt
@@ -282,6 +292,36 @@ def run_distill_stage(recipe: Recipe, out: Path, tasks_dir: Path | None = None, 
     return metrics
 
 
+DISTILL_OUTPUTS = ("manifest.json", "metrics.json", "verdicts.jsonl", "decisions.jsonl", "dataset")
+
+
+def begin_stage(out: Path, outputs: tuple[str, ...]) -> None:
+    """Remove a stage's previous outputs (manifest.json, its completion mark, first), so that a run that fails
+    leaves nothing from an earlier run beside its own partial outputs."""
+    for name in outputs:
+        p = out / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
+
+
+def distill_complete(folder: Path) -> bool:
+    """Whether the distillation in `folder` completed (its manifest.json is written last)."""
+    return (folder / "manifest.json").is_file() and (folder / "dataset" / "README.md").is_file()
+
+
+def check_dataset(dataset: Path) -> None:
+    """Refuse to train on a dataset folder that is missing, or that a distillation which did not complete left."""
+    if not (dataset / "README.md").is_file():
+        raise FileNotFoundError(f"{dataset}: no dataset there (no README.md): run `embodistill distill` first")
+    folder = dataset.parent
+    if (folder / "decisions.jsonl").exists() or (folder / "teacher").is_dir():   # a distillation's output folder
+        if not distill_complete(folder):
+            raise DatasetBuildError(f"{folder}: the last distillation there did not complete (no manifest.json), "
+                                    "so its dataset is not current: rerun `embodistill distill RECIPE`")
+
+
 def _counts(items) -> dict:
     return dict(sorted(Counter(items).items()))
 
@@ -296,6 +336,7 @@ def _version() -> str:
 
 def run_sft_stage(recipe: Recipe, dataset_dir: Path, out: Path, show_progress: bool = True) -> dict:
     """SFT of the recipe's student on the distilled dataset (`recipe.distill.sample_format` picks the config)."""
+    check_dataset(Path(dataset_dir))
     bar = StageBar("sft", enabled=show_progress)
     try:
         return run_sft(recipe.sft, dataset_dir, out, seed=recipe.seed, config=recipe.distill.sample_format, bar=bar)

@@ -63,9 +63,11 @@ class TurnVerdict(BaseModel):
 class EpisodeVerdict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    score: float
+    # None when a turn's verdict failed (judge_error): the episode's consistency is then unknown, and a score
+    # made without it would pass for a judgment (rewards and the distillation filter skip such an episode)
+    score: float | None
     efficiency: float
-    consistency: float
+    consistency: float | None           # None when no turn was judged
     completeness: float
     correctness: float
     steps: int
@@ -249,13 +251,17 @@ def episode_verdict(prompt: RewardPrompt, traj: Trajectory, turns: list[TurnVerd
     opt = max(traj.optimal_steps, 1)
     efficiency = min(1.0, opt / max(steps, 1)) if traj.success else 0.0
     judged = [v for v in turns if v.judge_error is None]
-    consistency = 1.0 - (sum(v.label in BAD_LABELS for v in judged) / len(judged)) if judged else 0.0
+    if judged:
+        consistency = 1.0 - sum(v.label in BAD_LABELS for v in judged) / len(judged)
+    else:
+        consistency = None if turns else 0.0
     w = prompt.episode.weights
     parts = {"efficiency": efficiency, "consistency": consistency, "completeness": completeness,
              "correctness": correctness}
-    score = sum(w[k] * parts[k] for k in w) / sum(w.values())
-    return EpisodeVerdict(score=round(score, 4), steps=steps, optimal_steps=traj.optimal_steps,
-                          success=traj.success, **{k: round(v, 4) for k, v in parts.items()})
+    failed = len(judged) < len(turns)
+    score = None if failed else round(sum(w[k] * parts[k] for k in w) / sum(w.values()), 4)
+    return EpisodeVerdict(score=score, steps=steps, optimal_steps=traj.optimal_steps, success=traj.success,
+                          **{k: None if v is None else round(v, 4) for k, v in parts.items()})
 
 
 # --------------------------------------------------------------------------- backends
@@ -471,12 +477,13 @@ def summarize(verdicts: list[TrajectoryVerdict], bad_lines: list[dict] | None = 
                 continue
             labels[u.label] += 1
             per_skill.setdefault(u.skill or "(malformed)", []).append(u.score)
-    eps = [v.episode.score for v in verdicts if v.judge_errors == 0]
+    eps = [v.episode.score for v in verdicts if v.episode.score is not None]
     return {"trajectories": len(verdicts), "turns": sum(len(v.turns) for v in verdicts),
             "mean_episode_score": round(sum(eps) / len(eps), 4) if eps else None,
             "episodes_with_judge_errors": sum(v.judge_errors > 0 for v in verdicts),
             "score_per_skill": {k: round(sum(s) / len(s), 4) for k, s in sorted(per_skill.items())},
             "labels": labels, "judge_error": errors,
+            "judge_error_share": round(errors / max(1, sum(len(v.turns) for v in verdicts)), 4),
             "success_rate": round(sum(v.episode.success for v in verdicts) / len(verdicts), 4) if verdicts else None,
             "bad_lines": len(bad_lines or []), "bad_line_errors": (bad_lines or [])[:20],
             "prompt_version": verdicts[0].prompt_version if verdicts else None,

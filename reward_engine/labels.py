@@ -17,7 +17,7 @@ from xml.sax.saxutils import quoteattr
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from agent.trajectory import Trajectory, open_text, write_jsonl, write_text_atomic
+from agent.trajectory import Trajectory, numbered_lines, read_text, write_jsonl, write_text_atomic
 from reward_engine.prompt import LABELS, SEVERITY, Label
 
 LabelSource = Literal["oracle", "human", "judge"]
@@ -331,16 +331,17 @@ def _json_format(row: dict) -> str:
 
 def _read_jsonl(path: Path) -> list[LabelRecord]:
     out = []
-    with open_text(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                out.append(LabelRecord.model_validate_json(line))
-            except ValidationError as e:
-                if any(err["type"] == "json_invalid" for err in e.errors()):
-                    raise ValueError(f"{path}: line {n}: not JSON: {e.errors()[0]['msg']}") from e
-                raise ValueError(f"{path}: line {n}: {_fields_message(e)}") from e
+    for n, line, bad in numbered_lines(path):
+        if bad:
+            raise ValueError(f"{path}: line {n}: {bad}")
+        if not line.strip():
+            continue
+        try:
+            out.append(LabelRecord.model_validate_json(line))
+        except ValidationError as e:
+            if any(err["type"] == "json_invalid" for err in e.errors()):
+                raise ValueError(f"{path}: line {n}: not JSON: {e.errors()[0]['msg']}") from e
+            raise ValueError(f"{path}: line {n}: {_fields_message(e)}") from e
     return out
 
 
@@ -353,8 +354,7 @@ def read_labels_report(path: str | Path) -> tuple[list[LabelRecord], dict]:
         if not (path / "records.json").is_file():
             raise ValueError(f"{path}: a folder of labels must hold records.json (Argilla Dataset.to_disk)")
         path = path / "records.json"
-    with open_text(path) as f:
-        text = f.read()
+    text = read_text(path)
     if not text.lstrip().startswith("["):
         records, info = _read_jsonl(path), {"format": "jsonl", "skipped": 0}
     else:

@@ -25,6 +25,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from agent.trajectory import read_text
 from reward_engine.rules import CHECKS  # the names rubric items may reference
 
 Label = Literal["useful", "redundant", "unsafe", "malformed", "inconsistent"]
@@ -318,7 +319,7 @@ class PromptStore:
 
 
 def load_prompt(path: str | Path) -> RewardPrompt:
-    text = Path(path).read_text()
+    text = read_text(path)   # a bad byte names its line
     try:
         return RewardPrompt.model_validate_json(text)
     except Exception as e:

@@ -22,7 +22,11 @@ except ModuleNotFoundError as e:  # a checkout that was never installed
 
 def main(argv: list[str] | None = None) -> int:
     """`embodistill rl ARGV`; returns the exit code (2 for a bad recipe or option, with the reason on stderr)."""
-    return cli_main(["rl", *(sys.argv[1:] if argv is None else argv)])
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print("error: no recipe given: rl/train_gigpo.py RECIPE [OPTIONS] (--help lists the options)", file=sys.stderr)
+        return 2
+    return cli_main(["rl", *argv])
 
 
 if __name__ == "__main__":

@@ -92,6 +92,25 @@ def rollout_rewards(batch: RolloutBatch, verdicts, mix: RewardMix) -> dict[str, 
             "traj_keep": traj_keep}
 
 
+def rng_state() -> dict:
+    """Python's, NumPy's and torch's random states as JSON (a checkpoint holds no pickle)."""
+    import torch
+    version, state, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(state), gauss], "numpy": [name, keys.tolist(), pos, has_gauss, cached],
+            "torch": torch.random.get_rng_state().tolist()}
+
+
+def set_rng_state(rng: dict) -> None:
+    """Restore what `rng_state` saved."""
+    import torch
+    version, state, gauss = rng["python"]
+    random.setstate((version, tuple(state), gauss))
+    name, keys, pos, has_gauss, cached = rng["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.random.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
+
+
 def anchor_codes(keys: list[str]) -> np.ndarray:
     """A dense int64 code per distinct state key (first-seen order): what the estimator groups by."""
     table: dict[str, int] = {}
@@ -181,11 +200,13 @@ class GiGPOTrainer:
         ckpt = self._checkpoint_to_resume()
         self._load(ckpt.joinpath("model") if ckpt else self.init)
         if ckpt is not None:
-            self.opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=False))
+            # tensors and plain containers only: nothing in the output folder is unpickled
+            self.opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
             self.engine.sync(acc.unwrap_model(self.model))   # a vLLM engine starts from `init`
         if acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
-            self._trim_metrics(self.start_iteration)
+            # rows up to the checkpoint stay; without one the run starts over, its iteration-0 evaluation too
+            self._trim_metrics(self.start_iteration if ckpt is not None else -1)
         self._wandb = self._init_wandb() if self.cfg.wandb and acc.is_main_process else None
 
     def _checkpoint_to_resume(self) -> Path | None:
@@ -478,7 +499,9 @@ class GiGPOTrainer:
         h.update(json.dumps([[t.id, t.instruction, t.step_budget] for t in self.test]).encode())
         h.update(json.dumps([[t.id, t.instruction, t.step_budget] for t in self.pool_eval]).encode())
         h.update(json.dumps(sorted(self.compositional)).encode())
-        h.update(json.dumps([self.eval_seed, self.cfg.max_new_tokens, self.cfg.memory_size]).encode())
+        # the episode seeds: `episode_seed(eval_seed, task id)` ("task-id"; before 2026-12-06 they came from the
+        # task's position, and a cache made so must not look current)
+        h.update(json.dumps([self.eval_seed, "task-id", self.cfg.max_new_tokens, self.cfg.memory_size]).encode())
         return self.init / f"rl_initial_eval_{h.hexdigest()[:16]}.json"
 
     def evaluate(self, it: int) -> dict | None:
@@ -496,19 +519,18 @@ class GiGPOTrainer:
                                                    batch_size=self.cfg.eval_batch, device=str(self.acc.device)),
                                 name="student")
 
-            def play_greedy(tasks: list, first_seed: int) -> list:
-                seeds = [episode_seed(self.eval_seed, first_seed + i) for i in range(len(tasks))]
+            def play_greedy(tasks: list) -> list:
                 return play(lambda: SandboxEnv(human_factory=self.human_factory), policy,
-                            [({"task": t}, s) for t, s in zip(tasks, seeds, strict=True)],
+                            [({"task": t}, episode_seed(self.eval_seed, t.id)) for t in tasks],
                             batch_size=self.cfg.eval_batch, memory_size=self.cfg.memory_size).trajectories
 
-            trajs = play_greedy(self.test, 0)
+            trajs = play_greedy(self.test)
             m = split_metrics(trajs)
             if self.compositional:
                 m["seen"] = aggregate([t for t in trajs if t.task_id not in self.compositional])
                 m["compositional"] = aggregate([t for t in trajs if t.task_id in self.compositional])
             if self.pool_eval:
-                m["pool"] = aggregate(play_greedy(self.pool_eval, 50_000))
+                m["pool"] = aggregate(play_greedy(self.pool_eval))
             model.train()
             out = {"kind": "eval", "iteration": it, "split": "test", "seconds": round(time.perf_counter() - t0, 1),
                    **{d: {k: m[d][k] for k in EVAL_KEYS} for d in EVAL_GROUPS if d in m}}
@@ -543,8 +565,7 @@ class GiGPOTrainer:
             acc.unwrap_model(self.model).save_pretrained(tmp / "model")
             self.tok.save_pretrained(tmp / "model")
             torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
-            torch.save({"python": random.getstate(), "numpy": np.random.get_state(),
-                        "torch": torch.random.get_rng_state()}, tmp / "rng.pt")
+            write_json(tmp / "rng.json", rng_state())
             p = self.rewarder.prompt
             write_json(tmp / "state.json", {"iteration": iteration, "algorithm": self.cfg.algorithm,
                                             "seed": self.seed, "recipe": self.name,
@@ -558,11 +579,10 @@ class GiGPOTrainer:
         acc.wait_for_everyone()
 
     def _restore_rng(self, ckpt: Path) -> None:
-        import torch
-        rng = torch.load(ckpt / "rng.pt", weights_only=False)
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.random.set_rng_state(rng["torch"])
+        if not (ckpt / "rng.json").is_file():
+            raise RLError(f"{ckpt}: no rng.json (a checkpoint from before 2026-12-06 kept it in a pickle, which "
+                          "is not loaded): pass --restart")
+        set_rng_state(json.loads((ckpt / "rng.json").read_text()))
 
     def _trim_metrics(self, iteration: int) -> None:
         """On resume, drop the lines an interrupted run wrote after its last checkpoint (no duplicates)."""

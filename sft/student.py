@@ -39,7 +39,7 @@ SPECIAL = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|t
 class StudentConfig(BaseModel):
     """Recipe `sft.student`: `tiny` (from scratch) or a Hub id / local path (`base`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     kind: Literal["tiny", "pretrained"] = "tiny"
     base: str | None = None                  # pretrained: Hub id or local folder

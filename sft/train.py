@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,7 +30,7 @@ from sft.student import (StudentConfig, build_tiny_student, corpus_texts, load_p
 class SFTSection(BaseModel):
     """Recipe `sft:`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     student: StudentConfig = Field(default_factory=StudentConfig)
     epochs: float = Field(default=2.0, gt=0)
@@ -251,6 +252,10 @@ def run_sft(cfg: SFTSection, dataset_dir: str | Path, out: str | Path, seed: int
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    for name in ("manifest.json", "metrics.json"):   # an earlier run's results must not outlive a failed one
+        (out / name).unlink(missing_ok=True)
+    if (out / "final").is_dir():
+        shutil.rmtree(out / "final")
     own_bar = bar is None
     bar = StageBar("sft", enabled=show_progress) if own_bar else bar
     if cfg.threads:
@@ -303,8 +308,12 @@ def run_sft(cfg: SFTSection, dataset_dir: str | Path, out: str | Path, seed: int
     model = trainer.model
     if peft_cfg is not None:
         model = model.merge_and_unload()  # a plain checkpoint: eval and RL load it like any model
-    model.save_pretrained(final)
-    tok.save_pretrained(final)
+    staging = out / ".final.tmp"   # whole or not at all: RL takes a final/ with config.json as a finished student
+    if staging.exists():
+        shutil.rmtree(staging)
+    model.save_pretrained(staging)
+    tok.save_pretrained(staging)
+    os.replace(staging, final)
     metrics = {"train_samples": len(train), "eval_samples": len(val), "format": config, "params": n_params(model),
                **m, "lm_phase": lm, "student": cfg.student.model_dump(mode="json"), "final": str(final)}
     write_json(out / "metrics.json", metrics)

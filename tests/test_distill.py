@@ -148,15 +148,30 @@ def test_interrupted_distillation_resumes_without_duplicates(distilled, recipe, 
         f.write('{"task_id": "half a ro')
     m = run_distill_stage(recipe, folder, show_progress=False)
     assert m["resumed"] == 7 and m["ran"] == len(train_tasks) - 7
-    ids = [json.loads(line)["task_id"] for line in partial.read_text().splitlines()]
-    assert len(ids) == len(set(ids)) == len(train_tasks)
+    # the run is complete: the final file holds every task once, and the partial file is gone
+    assert not partial.exists()
+    ids = [json.loads(ln)["task_id"] for ln in (folder / "teacher" / "trajectories.jsonl").read_text().splitlines()]
+    assert ids == [t.id for t in train_tasks]
     for f in ("teacher/trajectories.jsonl", "dataset/step/train-00000-of-00001.parquet", "dataset/README.md"):
         assert (folder / f).read_bytes() == (out / f).read_bytes(), f
-    # a rerun plays nothing; another recipe seed does not silently reuse these episodes
+    # a rerun plays nothing (it resumes from the complete run) and leaves no partial file
     again = run_distill_stage(recipe, folder, show_progress=False)
-    assert again["ran"] == 0 and again["resumed"] == len(train_tasks)
+    assert again["ran"] == 0 and again["resumed"] == len(train_tasks) and not partial.exists()
+    # another recipe seed does not reuse these episodes: it plays every task again
+    other = run_teacher(train_tasks, "expert", folder / "teacher", recipe_seed=1, show_progress=False)
+    assert other.ran == len(train_tasks) and other.resumed == 0
+    assert all(t.seed != o.seed for t, o in zip(other.trajectories, again_trajs(folder, out), strict=True))
+    # ... and a partial run of one seed is never continued with another
+    seen.clear()
+    with pytest.raises(Stop):
+        run_teacher(train_tasks, "expert", folder / "t2", recipe_seed=1, progress=stop_after_7, show_progress=False)
     with pytest.raises(TeacherError, match="other inputs"):
-        run_teacher(train_tasks, "expert", folder / "teacher", recipe_seed=1, show_progress=False)
+        run_teacher(train_tasks, "expert", folder / "t2", recipe_seed=2, show_progress=False)
+
+
+def again_trajs(folder, out):
+    """The seed-0 run's episodes (the fixture's)."""
+    return list(read_jsonl(out / "teacher" / "trajectories.jsonl", Trajectory))
 
 
 def test_the_card_metadata_validates_and_tampering_is_named(distilled, tmp_path):

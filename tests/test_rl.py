@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -237,6 +238,70 @@ def test_one_iteration_end_to_end_then_exact_resume(ci_setup, tmp_path):
     state = json.loads(sorted((tmp_path / "cut" / "checkpoints").glob("iter_*"))[-1].joinpath("state.json")
                        .read_text())
     assert state["iteration"] == 2 and state["reward_prompt"]["version"] >= 1
+
+
+class _Killed(BaseException):
+    """What a kill -9 leaves: the run stops where it is, its files as they were."""
+
+
+def test_resume_before_the_first_checkpoint_starts_over_without_duplicate_rows(ci_setup, tmp_path, monkeypatch):
+    from pipeline.stages import make_rl_trainer
+    from rl.trainer import GiGPOTrainer
+    recipe, final = ci_setup
+    r = _small_rl(recipe, iterations=2, save_every=2, eval_every=2, eval_tasks=2)
+    straight = tmp_path / "straight"
+    make_rl_trainer(r, straight, final, show_progress=False).train()
+    real = GiGPOTrainer.iteration
+
+    def killed_in_iteration_2(self, it):
+        if it == 1:
+            raise _Killed
+        return real(self, it)
+
+    monkeypatch.setattr(GiGPOTrainer, "iteration", killed_in_iteration_2)
+    with pytest.raises(_Killed):   # after the iteration-0 evaluation and iteration 1, before any checkpoint
+        make_rl_trainer(r, tmp_path / "cut", final, show_progress=False).train()
+    monkeypatch.setattr(GiGPOTrainer, "iteration", real)
+    assert not (tmp_path / "cut" / "checkpoints").exists()
+    assert [(x["kind"], x["iteration"]) for x in map(json.loads, (tmp_path / "cut" / "metrics.jsonl").read_text()
+                                                     .splitlines())] == [("eval", 0), ("train", 1)]
+    make_rl_trainer(r, tmp_path / "cut", final, resume=True, show_progress=False).train()
+    rows = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    want = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert [(x["kind"], x["iteration"]) for x in rows] == [("eval", 0), ("train", 1), ("train", 2), ("eval", 2)]
+    timing = ("generate_s", "env_s", "judge_s", "update_s", "iteration_s", "rss_mb", "seconds", "cached")
+    assert [{k: v for k, v in x.items() if k not in timing} for x in rows] == \
+        [{k: v for k, v in x.items() if k not in timing} for x in want]
+
+
+class _Bomb:
+    """A pickle that, when loaded, creates a file: what a planted checkpoint file could do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_resume_unpickles_nothing_from_the_output_folder(ci_setup, tmp_path):
+    from pipeline.stages import make_rl_trainer
+    recipe, final = ci_setup
+    out = tmp_path / "run"
+    make_rl_trainer(_small_rl(recipe, iterations=1, save_every=1), out, final, show_progress=False).train()
+    ckpt = out / "checkpoints" / "iter_000001"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["model", "optimizer.pt", "rng.json", "state.json"]
+    marker = tmp_path / "pwned"
+    torch.save(_Bomb(marker), ckpt / "rng.pt")      # an old-style RNG file: never read
+    make_rl_trainer(_small_rl(recipe, iterations=2, save_every=1), out, final, resume=True,
+                    show_progress=False).train()
+    assert not marker.exists()
+    ckpt = out / "checkpoints" / "iter_000002"
+    torch.save(_Bomb(marker), ckpt / "optimizer.pt")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        make_rl_trainer(_small_rl(recipe, iterations=3, save_every=1), out, final, resume=True,
+                        show_progress=False).train()
+    assert not marker.exists()
 
 
 def test_the_update_does_not_depend_on_the_micro_batch_size(ci_setup, tmp_path):
