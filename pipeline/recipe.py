@@ -236,11 +236,28 @@ def _line(node, loc) -> int | None:
     return line
 
 
+def _member(part) -> bool:
+    """Whether a pydantic error location part names a member of a union (`ClientSpec`, `literal['expert']`,
+    `bool`, `list[str]`), not a field: such parts are left out of the field name a user reads."""
+    return isinstance(part, str) and (part[:1].isupper() or "[" in part or part in ("bool", "str", "int", "float"))
+
+
 def format_validation(path, e: ValidationError, root=None) -> str:
-    """One line per error (at most 5): `FILE[:LINE]: field: reason`."""
+    """One line per field (at most 5): `FILE[:LINE]: field: reason`. The reasons of a union's members join on one
+    line; a member's type mismatch is left out when another member got further (`teacher: {kind: openai,
+    timeout: "5"}` is about the timeout, not about not being "expert")."""
+    errors = e.errors()
+    deep = {tuple(p for p in err["loc"] if not _member(p)) for err in errors}
+    fields: dict[tuple, list[str]] = {}
+    for err in errors:
+        loc = tuple(p for p in err["loc"] if not _member(p))
+        if len(loc) < len(err["loc"]) and any(len(d) > len(loc) and d[:len(loc)] == loc for d in deep):
+            continue
+        if err["msg"] not in fields.setdefault(loc, []):
+            fields[loc].append(err["msg"])
     lines = []
-    for err in e.errors()[:5]:
-        field = ".".join(str(x) for x in err["loc"]) or "(top level)"
-        line = _line(root, err["loc"]) if root is not None else None
-        lines.append(f"{path}{f':{line}' if line else ''}: {field}: {err['msg']}")
+    for loc, msgs in list(fields.items())[:5]:
+        field = ".".join(str(x) for x in loc) or "(top level)"
+        line = _line(root, loc) if root is not None else None
+        lines.append(f"{path}{f':{line}' if line else ''}: {field}: {'; or '.join(msgs)}")
     return "\n".join(lines)
