@@ -24,6 +24,18 @@ def _trigger(tid, kind, target, skills, candidates=()):
             "effect": f"{kind} effect", "recovery": [f"{kind} recovery"], "candidates": list(candidates)}
 
 
+def do(ctrl: EnvController, name: str, **arguments):
+    """One skill call on the controller."""
+    return ctrl.step({"name": name, "arguments": arguments})
+
+
+def ok(ctrl: EnvController, name: str, **arguments):
+    """One skill call that must succeed."""
+    res = do(ctrl, name, **arguments)
+    assert res.ok and res.error is None, (name, arguments, res)
+    return res
+
+
 def world_dict() -> dict:
     """A compact TaskInstance dict.
 

@@ -15,17 +15,7 @@ from sandbox.observation import known_map
 from sandbox.schema import ERROR_CODES, TRIGGER_KINDS, NextTo, ObjectAt, Reported, TaskInstance, Told
 from sandbox.world import HELD, Compiled
 
-from conftest import world_dict
-
-
-def do(ctrl: EnvController, name: str, **arguments):
-    return ctrl.step({"name": name, "arguments": arguments})
-
-
-def ok(ctrl: EnvController, name: str, **arguments):
-    res = do(ctrl, name, **arguments)
-    assert res.ok and res.error is None, (name, arguments, res)
-    return res
+from conftest import do, ok, world_dict
 
 
 def fresh(data: dict) -> EnvController:
