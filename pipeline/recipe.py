@@ -185,37 +185,30 @@ def read_yaml_text(path: Path, what: str = "file") -> str:
 def load_client_spec(path: str | Path) -> ClientSpec:
     """A model client spec from a YAML (or JSON) file, as strict as a recipe's (`kind`, `model`, `base_url`,
     ...); a problem raises `RecipeError` naming the file, the line and the field."""
-    path = Path(path)
-    data, root = _read_yaml(path, "client spec file")
-    try:
-        return ClientSpec.model_validate(data)
-    except ValidationError as e:
-        raise RecipeError(format_validation(path, e, root)) from None
+    return _load(Path(path), ClientSpec, "client spec")
 
 
-def _read_yaml(path: Path, what: str):
-    """(the mapping a YAML file holds, its node tree for line numbers), or `RecipeError`."""
-    text = read_yaml_text(path, what)
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a recipe; any problem raises `RecipeError` with `FILE:LINE: field: reason`."""
+    return _load(Path(path), Recipe, "recipe")
+
+
+def _load(path: Path, model: type[BaseModel], what: str):
+    """`model` validated from the YAML mapping in `path`, or `RecipeError` naming the file, line and field."""
+    text = read_yaml_text(path, f"{what} file")
     try:
         loader = _RecipeYAML(text)
         root = loader.get_single_node()
         data = loader.construct_document(root) if root is not None else None
     except yaml.MarkedYAMLError as e:
         where = f":{e.problem_mark.line + 1}" if e.problem_mark is not None else ""
-        raise RecipeError(f"{path}{where}: not a valid {what.split()[0]}: {e.problem}") from None
+        raise RecipeError(f"{path}{where}: not a valid {what}: {e.problem}") from None
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
-        raise RecipeError(f"{path}: a {what.removesuffix(' file')} must be a YAML mapping")
-    return data, root
-
-
-def load_recipe(path: str | Path) -> Recipe:
-    """Read and validate a recipe; any problem raises `RecipeError` with `FILE:LINE: field: reason`."""
-    path = Path(path)
-    data, root = _read_yaml(path, "recipe file")
+        raise RecipeError(f"{path}: a {what} must be a YAML mapping")
     try:
-        return Recipe.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as e:
         raise RecipeError(format_validation(path, e, root)) from None
 
