@@ -261,7 +261,7 @@ class TransformersClient:
     The tokenizer is not modified: left padding and the pad-token fallback (eos) happen here.
     """
 
-    def __init__(self, model_or_path: Any, tokenizer: Any = None, device: str = "cpu", dtype: Any = None,
+    def __init__(self, model_or_path: Any, tokenizer: Any = None, device: str = "auto", dtype: Any = None,
                  max_new_tokens: int = 128, temperature: float = 0.0, seed: int = 0, batch_size: int = 8,
                  constrained: bool = False):
         import torch
@@ -271,6 +271,8 @@ class TransformersClient:
             raise ValueError(f"TransformersClient: max_new_tokens ({max_new_tokens}) and batch_size ({batch_size}) "
                              f"must be >= 1 and temperature ({temperature}) >= 0")
         self._torch = torch
+        if device == "auto":   # the GPU when there is one
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         if isinstance(model_or_path, (str, os.PathLike)):
             path = Path(model_or_path)
             if not (path / "config.json").is_file():
@@ -418,7 +420,7 @@ class ClientSpec(BaseModel):
     temperature: float = Field(default=0.0, ge=0, le=2)
     seed: int | None = None
     max_tokens: int = Field(default=512, ge=1)
-    device: str = "cpu"
+    device: str = "auto"     # transformers: "auto" is the GPU when there is one, else the CPU
 
 
 def make_client(spec: ClientSpec):

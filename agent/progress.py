@@ -20,6 +20,7 @@ class StageBar:
     def phase(self, name: str, total: int | None, unit: str = "") -> None:
         self.bar.set_description(f"{self.stage}: {name}", refresh=False)
         self.bar.unit = unit
+        self.bar.set_postfix_str("", refresh=False)   # the last phase's figures (a loss) are not this one's
         self.bar.reset(total=total)   # redraws, with the new name
 
     def update(self, n: int = 1) -> None:

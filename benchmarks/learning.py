@@ -2,6 +2,7 @@
 
     python benchmarks/learning.py                       # recipes/tiny.yaml, outputs under outputs/bench-learning
     python benchmarks/learning.py --skip-train          # re-measure an existing OUT/sft/final
+    python benchmarks/learning.py --stage onpolicy      # recipes/medium.yaml: SFT vs on-policy distillation, 3 seeds
     python benchmarks/learning.py --stage rl            # recipes/medium.yaml: SFT student vs GiGPO vs GRPO
 
 Prints one JSON object:
@@ -49,7 +50,7 @@ def _table(m: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--stage", choices=("sft", "rl"), default="sft")
+    ap.add_argument("--stage", choices=("sft", "onpolicy", "rl"), default="sft")
     ap.add_argument("--recipe", default=None, help="default recipes/tiny.yaml (sft), recipes/medium.yaml (rl)")
     ap.add_argument("--out", default=None, help="default outputs/bench-learning[-rl]")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="RL seeds (--stage rl)")
@@ -59,9 +60,15 @@ def main() -> None:
     ap.add_argument("--skip-train", action="store_true", help="measure an existing OUT/sft/final")
     ap.add_argument("--batch", type=int, default=32, help="episodes stepped together at evaluation")
     ap.add_argument("--max-validation-steps", type=int, default=600)
+    ap.add_argument("--bf16", choices=("auto", "true", "false"), default=None,
+                    help="--stage onpolicy: override sft.bf16 (SFT and the on-policy rounds)")
+    ap.add_argument("--constrained", action="store_true",
+                    help="--stage onpolicy: also evaluate the SFT and the last student with constrained decoding")
     args = ap.parse_args()
     if args.stage == "rl":
         return rl_stage(args)
+    if args.stage == "onpolicy":
+        return onpolicy_stage(args)
     args.recipe = args.recipe or str(ROOT / "recipes" / "tiny.yaml")
     args.out = args.out or str(ROOT / "outputs" / "bench-learning")
 
@@ -246,6 +253,115 @@ def rl_stage(args) -> None:
                             "peak_memory_le_6_gb": max(report["peak_rss_mb"].values()) <= 6144,
                             "seeds_ge_3": len(args.seeds) >= 3}
     print(json.dumps(report, indent=2))
+
+
+def onpolicy_stage(args) -> None:
+    """SFT student vs the same student after on-policy distillation, per seed (the SFT seed and the on-policy
+    seed are the same), on the recipe's test split."""
+    from pipeline.recipe import load_recipe
+    from pipeline.stages import run_distill_stage
+
+    recipe = load_recipe(args.recipe or ROOT / "recipes" / "medium.yaml")
+    if args.bf16 is not None:
+        from sft.train import SFTSection
+        bf16 = {"auto": "auto", "true": True, "false": False}[args.bf16]
+        recipe = recipe.model_copy(update={"sft": SFTSection.model_validate({**recipe.sft.model_dump(),
+                                                                             "bf16": bf16})})
+    out = Path(args.out or ROOT / "outputs" / "bench-learning-onpolicy")
+    report: dict = {"benchmark": "learning", "stage": "onpolicy", "recipe": recipe.name, "machine_cores": _cores(),
+                    "cpu": _cpu(), "seeds": args.seeds, "sft_bf16": recipe.sft.bf16,
+                    "onpolicy": recipe.onpolicy.model_dump(mode="json")}
+    dataset = out / "distill" / "dataset"
+    if not (out / "distill" / "manifest.json").is_file():
+        t0 = time.time()
+        run_distill_stage(recipe, out / "distill", show_progress=False)
+        report["distill_seconds"] = round(time.time() - t0, 1)
+    jobs = max(1, min(args.jobs, len(args.seeds)))
+    threads = max(1, _cores() // jobs)
+    call = [(recipe, dataset, out, seed, threads, args.constrained) for seed in args.seeds]
+    if jobs == 1:
+        results = list(map(_onpolicy_chain, call))
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = list(pool.map(_onpolicy_chain, call))
+    report["jobs"], report["torch_threads_per_run"] = jobs, threads
+    report["runs"] = results
+    blocks = ("easy", "medium", "hard", "all", "seen", "compositional")
+
+    def tsr(run: dict, when: int, block: str):
+        return run["rounds"][when]["test"].get(block, {}).get("tsr")
+
+    first, last = 0, -1
+    report["test_episodes"] = {b: results[0]["rounds"][0]["test"][b]["episodes"] for b in blocks
+                               if b in results[0]["rounds"][0]["test"]}
+    report["test_tsr"] = {
+        "sft": {b: _spread([100 * tsr(r, first, b) for r in results if tsr(r, first, b) is not None])
+                for b in blocks},
+        "onpolicy": {b: _spread([100 * tsr(r, last, b) for r in results if tsr(r, last, b) is not None])
+                     for b in blocks}}
+    report["gain_points_paired"] = _spread([100 * (tsr(r, last, "all") - tsr(r, first, "all")) for r in results])
+    report["acceptance"] = {"onpolicy_tsr_ge_0.85": report["test_tsr"]["onpolicy"]["all"]["mean"] is not None and
+                            report["test_tsr"]["onpolicy"]["all"]["mean"] >= 85,
+                            "seeds_ge_3": len(args.seeds) >= 3,
+                            "test_episodes_ge_300": report["test_episodes"].get("all", 0) >= 300}
+    report["peak_rss_mb"] = _rss_mb()
+    print(json.dumps(report, indent=2))
+
+
+def _onpolicy_chain(job: tuple) -> dict:
+    """SFT with one seed, then the recipe's on-policy rounds from that student with the same seed (each part
+    reused when its folder holds a finished run)."""
+    import torch
+    from pipeline.stages import run_onpolicy_stage
+    from sft.train import run_sft
+    recipe, dataset, out, seed, threads, constrained = job
+    torch.set_num_threads(threads)
+    sft_dir = out / f"sft-seed{seed}"
+    t0 = time.time()
+    if not ((sft_dir / "manifest.json").is_file() and (sft_dir / "final" / "config.json").is_file()):
+        run_sft(recipe.sft, dataset, sft_dir, seed=seed, show_progress=False, config=recipe.distill.sample_format)
+    sft_s = time.time() - t0
+    sft_m = json.loads((sft_dir / "metrics.json").read_text())
+    t1 = time.time()
+    m = run_onpolicy_stage(recipe, dataset, sft_dir / "final", out / f"onpolicy-seed{seed}", seed=seed,
+                           show_progress=False)
+    res = {"seed": seed, "sft_seconds": round(sft_s, 1), "sft_bf16": sft_m.get("bf16"),
+           "sft_train_seconds": sft_m.get("train_seconds"), "onpolicy_seconds": round(time.time() - t1, 1),
+           "rounds": [{"round": r["round"], "test": r["test"],
+                       **({"agreement": r["collect"]["agreement"], "student_tsr_on_its_tasks":
+                           r["collect"]["student_tsr"], "takeover": {k: v for k, v in r["collect"]["takeover"].items()
+                                                                     if k != "lost_when_solvable"},
+                           "rows_added": sum(r["collect"]["rows"].values()), "seconds": r["seconds"],
+                           "collect_seconds": r["collect"]["seconds"], "train_seconds": r["train_seconds"],
+                           "eval_seconds": r["eval_seconds"]} if r["round"] > 0 else
+                          {"eval_seconds": r.get("eval_seconds")})} for r in m["rounds"]]}
+    if constrained:
+        from evaluation.sandbox_eval import evaluate
+        from pipeline.stages import build_tasks
+        test = build_tasks(recipe, show_progress=False)[0]["test"]
+        res["constrained_tsr"] = {}
+        for name, folder in (("sft", sft_dir / "final"), ("onpolicy", Path(m["final"]))):
+            cm, _ = evaluate(test, str(folder), seed=recipe.eval.seed, batch_size=32, constrained=True)
+            res["constrained_tsr"][name] = {d: cm[d]["tsr"] for d in ("easy", "medium", "hard", "all") if d in cm}
+    return res
+
+
+def _cpu() -> str:
+    """The CPU model and whether it computes bf16 natively (what decides SFT's speed and precision here)."""
+    name = "unknown"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        flags = []
+    kind = "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else \
+        "AVX2 only" if "avx2" in flags else "?"
+    return f"{name} ({kind})"
 
 
 def _rl_run(job: tuple) -> dict:

@@ -17,7 +17,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from distill.dataset import CONFIGS, SPLITS, data_path, features
+from distill.dataset import ALL_CONFIGS, ONPOLICY, SPLITS, data_path, features
 
 SIZE_CATEGORIES = ("n<1K", "1K<n<10K", "10K<n<100K", "100K<n<1M", "1M<n<10M", "10M<n<100M", "100M<n<1B")
 TASK_CATEGORIES = ("text-generation", "reinforcement-learning", "robotics", "question-answering",
@@ -65,7 +65,7 @@ class DataFiles(_M):
 
 
 class ConfigEntry(_M):
-    config_name: Literal["conversation", "step"]
+    config_name: Literal["conversation", "step", "onpolicy"]
     data_files: list[DataFiles] = Field(min_length=1)
     default: bool | None = None
 
@@ -73,11 +73,11 @@ class ConfigEntry(_M):
 class SplitEntry(_M):
     name: Literal["train", "validation"]
     num_bytes: int = Field(ge=0)
-    num_examples: int = Field(ge=1)
+    num_examples: int = Field(ge=0)   # the `onpolicy` config's validation split may be empty after one round
 
 
 class DatasetInfoEntry(_M):
-    config_name: Literal["conversation", "step"]
+    config_name: Literal["conversation", "step", "onpolicy"]
     features: list[dict]
     splits: list[SplitEntry] = Field(min_length=1)
     download_size: int = Field(ge=0)
@@ -147,7 +147,8 @@ def card_metadata(sizes: dict[str, dict[str, dict]], license: str, pretty_name: 
     """The metadata for an artifact whose splits have `sizes` ({config: {split: {num_examples, num_bytes}}})."""
     from datasets import DatasetInfo
     configs, infos = [], []
-    for c in CONFIGS:
+    names = [c for c in ALL_CONFIGS if c in sizes]
+    for c in names:
         configs.append(ConfigEntry(config_name=c, default=True if c == default_config else None,
                                    data_files=[DataFiles(split=s, path=f"{c}/{s}-*") for s in SPLITS]))
         feats = DatasetInfo(features=features(c))._to_yaml_dict()["features"]
@@ -155,7 +156,7 @@ def card_metadata(sizes: dict[str, dict[str, dict]], license: str, pretty_name: 
         infos.append(DatasetInfoEntry(config_name=c, features=feats, splits=splits,
                                       download_size=sum((file_sizes or {}).get(data_path(c, s), 0) for s in SPLITS),
                                       dataset_size=sum(s.num_bytes for s in splits)))
-    biggest = max(sum(v["num_examples"] for v in sizes[c].values()) for c in CONFIGS)
+    biggest = max(sum(v["num_examples"] for v in sizes[c].values()) for c in names)
     tags = list(dict.fromkeys((*BASE_TAGS, *extra_tags)))
     return CardMetadata(license=license, pretty_name=pretty_name, task_categories=["text-generation"], tags=tags,
                         size_categories=[size_category(biggest)], configs=configs, dataset_info=infos)
@@ -191,7 +192,11 @@ def render_card(meta: CardMetadata, about: dict) -> str:
                  "a whole episode: system, the first step prompt, then assistant `tool_calls` / `tool` results"],
                 ["`step`", sizes["step"]["train"], sizes["step"]["validation"],
                  "one decision: the step prompt RL rollouts show the student (task, known map, recent steps, "
-                 "observation) and the assistant's call"]]), "",
+                 "observation) and the assistant's call"]] +
+               ([[f"`{ONPOLICY}`", sizes[ONPOLICY]["train"], sizes[ONPOLICY]["validation"],
+                  "a state the student reached on its own (its step prompt), labelled with the teacher's call "
+                  "there"]] if ONPOLICY in sizes else [])), "",
+        *(_onpolicy_section(about["onpolicy"]) if ONPOLICY in sizes else []),
         f"The default config is `{default}` (the recipe's `distill.sample_format`). Both use the Hugging Face "
         "conversational format: `messages` (`role`, `content`, `tool_calls` with `function.name` and "
         "`function.arguments`, `tool_call_id`, `name`) and `tools` (the skills as JSON-schema function "
@@ -245,6 +250,19 @@ def render_card(meta: CardMetadata, about: dict) -> str:
         "on it.", "",
         f"## License\n\n{meta.license}", ""]
     return "---\n" + meta.card_data().to_yaml() + "\n---\n\n" + "\n".join(parts)
+
+
+def _onpolicy_section(op: dict) -> list[str]:
+    """The card's account of on-policy distillation: how the `onpolicy` rows were made, round by round."""
+    return [
+        "## The `onpolicy` config", "",
+        f"On-policy distillation (DAgger): in each round the student of the previous round (round 1: the SFT "
+        f"student) played {op['tasks']} tasks through the same step prompts, and the teacher (`{op['teacher']}`) "
+        "labelled every state the student reached with its own thought and call from that state. Columns as "
+        "`step`, plus `round`, `student_action` (what the student wrote there) and `agreed` (whether its call "
+        "was the teacher's: same skill and arguments).", "",
+        _table(["round", "beta", "rows", "agreement", "student success on its tasks"],
+               [[r["round"], r["beta"], r["rows"], r["agreement"], r["student_tsr"]] for r in op["rounds"]]), ""]
 
 
 # ----------------------------------------------------------------------------- validation

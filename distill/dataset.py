@@ -27,7 +27,9 @@ from agent.tools import tool_definitions
 from agent.trajectory import Trajectory, Turn, temp_beside
 from sandbox.schema import TaskInstance
 
-CONFIGS = ("conversation", "step")
+CONFIGS = ("conversation", "step")       # what distillation writes
+ONPOLICY = "onpolicy"                    # what on-policy distillation adds (`distill.onpolicy`)
+ALL_CONFIGS = (*CONFIGS, ONPOLICY)
 SPLITS = ("train", "validation")
 META_COLUMNS = ("task_id", "instruction_id", "difficulty", "scene", "kind", "teacher", "episode_score")
 
@@ -39,8 +41,8 @@ class DatasetBuildError(ValueError):
 def features(config: str):
     """The explicit `datasets.Features` of a config (the same schema for every row)."""
     from datasets import Features, Json, List, Value
-    if config not in CONFIGS:
-        raise ValueError(f"unknown dataset config {config!r}: choose {', '.join(CONFIGS)}")
+    if config not in ALL_CONFIGS:
+        raise ValueError(f"unknown dataset config {config!r}: choose {', '.join(ALL_CONFIGS)}")
     call = {"id": Value("string"), "type": Value("string"),
             "function": {"name": Value("string"), "arguments": Json()}}
     message = {"role": Value("string"), "content": Value("string"), "tool_calls": List(call),
@@ -48,8 +50,10 @@ def features(config: str):
     cols = {"messages": List(message), "tools": Json(),
             **{c: Value("string") for c in META_COLUMNS if c != "episode_score"},
             "episode_score": Value("float64")}
-    if config == "step":
+    if config in ("step", ONPOLICY):
         cols["step"] = Value("int32")
+    if config == ONPOLICY:   # the round that labelled the state, what the student did there, and whether it agreed
+        cols.update(round=Value("int32"), student_action=Value("string"), agreed=Value("bool"))
     return Features(cols)
 
 
@@ -66,26 +70,34 @@ def call_id(turn: Turn) -> str:
     return f"call_{turn.index}"
 
 
-def assistant_message(turn: Turn) -> dict:
-    call = turn.tool_call
-    return _message("assistant", turn.reasoning, tool_calls=[
-        {"id": call_id(turn), "type": "function",
+def call_message(reasoning: str, call: dict, index: int) -> dict:
+    """The assistant message of one decision: its reasoning as `content`, its call as the one tool call."""
+    return _message("assistant", reasoning, tool_calls=[
+        {"id": f"call_{index}", "type": "function",
          "function": {"name": call["name"], "arguments": dict(call.get("arguments") or {})}}])
+
+
+def assistant_message(turn: Turn) -> dict:
+    return call_message(turn.reasoning, turn.tool_call, turn.index)
 
 
 def tool_message(turn: Turn) -> dict:
     return _message("tool", turn.observation, tool_call_id=call_id(turn), name=turn.tool_call["name"])
 
 
-def _prompt(traj: Trajectory, turn: Turn) -> list[dict]:
-    p = turn.prompt
+def step_prompt(p: list[dict], where: str) -> list[dict]:
+    """A recorded step prompt (system + user) as dataset messages; `where` names it in the error."""
     if len(p) != 2 or p[0].get("role") != "system" or p[1].get("role") != "user":
-        raise DatasetBuildError(f"trajectory {traj.task_id} turn {turn.index} has no recorded step prompt "
-                                "(system + user); teacher runs must go through evaluation.policies.ModelPolicy")
+        raise DatasetBuildError(f"{where} has no recorded step prompt (system + user); teacher runs must go "
+                                "through the episode loop (agent.episode.play) with a policy that reads prompts")
     if p[0].get("content") != SYSTEM_PROMPT:
-        raise DatasetBuildError(f"trajectory {traj.task_id} turn {turn.index} was prompted with another system "
-                                "prompt than agent.prompt.SYSTEM_PROMPT; rerun the teacher")
+        raise DatasetBuildError(f"{where} was prompted with another system prompt than agent.prompt.SYSTEM_PROMPT; "
+                                "rerun the teacher")
     return [_message(m["role"], m["content"]) for m in p]
+
+
+def _prompt(traj: Trajectory, turn: Turn) -> list[dict]:
+    return step_prompt(turn.prompt, f"trajectory {traj.task_id} turn {turn.index}")
 
 
 def conversation_messages(traj: Trajectory) -> list[dict] | None:
@@ -175,7 +187,9 @@ def write_parquet(rows: list[dict], config: str, path: Path) -> dict:
     """Write one split (atomically) and return {"num_examples", "num_bytes"} as the card records them."""
     from datasets import Dataset
     with _quiet_datasets():
-        ds = Dataset.from_list(rows, features=features(config))
+        feats = features(config)
+        ds = Dataset.from_list(rows, features=feats) if rows else \
+            Dataset.from_dict({k: [] for k in feats}, features=feats)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = temp_beside(path)
         os.close(fd)
@@ -189,7 +203,8 @@ def write_parquet(rows: list[dict], config: str, path: Path) -> dict:
 
 
 def write_artifact(out: str | Path, rows: dict[str, dict[str, list[dict]]], card_text_for) -> dict:
-    """Write every config's splits and the card into a fresh folder, then put it in place of `out`.
+    """Write every config's splits (the configs `rows` has) and the card into a fresh folder, then put it in
+    place of `out`.
 
     `card_text_for(sizes, file_sizes)` gets {config: {split: {"num_examples", "num_bytes"}}} and {shard path:
     bytes on disk}, and returns README.md's text. Returns the sizes."""
@@ -201,8 +216,9 @@ def write_artifact(out: str | Path, rows: dict[str, dict[str, list[dict]]], card
             shutil.rmtree(left)
     tmp = Path(temp_beside(out, directory=True)[1])
     try:
-        sizes = {c: {s: write_parquet(rows[c][s], c, tmp / data_path(c, s)) for s in SPLITS} for c in CONFIGS}
-        file_sizes = {data_path(c, s): (tmp / data_path(c, s)).stat().st_size for c in CONFIGS for s in SPLITS}
+        configs = [c for c in ALL_CONFIGS if c in rows]
+        sizes = {c: {s: write_parquet(rows[c][s], c, tmp / data_path(c, s)) for s in SPLITS} for c in configs}
+        file_sizes = {data_path(c, s): (tmp / data_path(c, s)).stat().st_size for c in configs for s in SPLITS}
         (tmp / "README.md").write_text(card_text_for(sizes, file_sizes))
         old = None
         if out.exists():

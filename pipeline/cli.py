@@ -13,13 +13,15 @@ from tqdm import tqdm
 from distill.card import CardError
 from distill.dataset import DatasetBuildError
 from distill.hub import PushError, push_dataset
+from distill.onpolicy import OnPolicyError
 from distill.teacher import TeacherError
 from pipeline.console import stage_log
 from pipeline.main_job import run_main_job
 from pipeline.recipe import RecipeError, load_client_spec, load_recipe
 from pipeline.reward_stages import (run_audit, run_evolve, run_export_disputed, run_judge,
                                     run_oracle_labels)
-from pipeline.stages import distill_complete, run_distill_stage, run_eval, run_sft_stage, write_build
+from pipeline.stages import (distill_complete, run_distill_stage, run_eval, run_onpolicy_stage, run_sft_stage,
+                             write_build)
 from pipeline.verl import write_dataset as write_verl_dataset
 from rl.trainer import RLError
 
@@ -239,6 +241,41 @@ def sft(recipe: Path = typer.Argument(..., help="recipe YAML"),
 
 
 @app.command()
+def onpolicy(recipe: Path = typer.Argument(..., help="recipe YAML (its onpolicy: section)"),
+             init: Optional[Path] = typer.Option(None, help="the starting student (default: "
+                                                          "outputs/<recipe>/sft/final, made first when missing)"),
+             out: Optional[Path] = typer.Option(None, "--out",
+                                                help="output folder (default outputs/<recipe>/onpolicy)"),
+             seed: Optional[int] = typer.Option(None, help="override the recipe seed (tasks stay the recipe's)"),
+             restart: bool = typer.Option(False, help="discard finished rounds instead of reusing them"),
+             quiet: bool = typer.Option(False, help="no progress bar")):
+    """On-policy distillation: the student plays, the teacher labels every state it reaches, the student trains on
+    the aggregate; `onpolicy.rounds` rounds, each resumable. Without --init, the recipe's distillation and SFT run
+    first when their outputs are missing."""
+    try:
+        r = load_recipe(recipe)
+        base = Path("outputs") / r.name
+        ds = base / "distill" / "dataset"
+        if not distill_complete(ds.parent):
+            typer.echo(f"{ds} is missing or incomplete: running `embodistill distill` first", err=True)
+            with stage_log(ds.parent):
+                run_distill_stage(r, ds.parent, show_progress=not quiet)
+        start = init or base / "sft" / "final"
+        if init is None and not ((base / "sft" / "manifest.json").is_file() and (start / "config.json").is_file()):
+            typer.echo(f"{start} is missing: running `embodistill sft` first", err=True)
+            with stage_log(base / "sft"):
+                run_sft_stage(r, ds, base / "sft", show_progress=not quiet)
+        folder = out or base / "onpolicy"
+        with stage_log(folder):
+            m = run_onpolicy_stage(r, ds, start, folder, restart=restart, show_progress=not quiet, seed=seed)
+    except (RecipeError, FileNotFoundError, ValueError, TeacherError, DatasetBuildError, OnPolicyError) as e:
+        _fail(str(e))
+    typer.echo(json.dumps({"rounds": [{"round": x["round"], "test_tsr": x["test"].get("all", {}).get("tsr"),
+                                       "agreement": (x.get("collect") or {}).get("agreement")} for x in m["rounds"]],
+                           "rows": m["rows"], "final": m["final"]}))
+
+
+@app.command()
 def rl(recipe: Path = typer.Argument(..., help="recipe YAML (its rl: section)"),
        algorithm: Optional[str] = typer.Option(None, help="gigpo | grpo (default: the recipe's rl.algorithm)"),
        init: Optional[str] = typer.Option(None, help="starting model folder (default: the recipe's rl.init)"),
@@ -256,7 +293,7 @@ def rl(recipe: Path = typer.Argument(..., help="recipe YAML (its rl: section)"),
     try:
         run_main_job(recipe, init=init, algorithm=algorithm, out=out, seed=seed, iterations=iterations,
                      resume=resume, restart=restart, quiet=quiet)
-    except (RecipeError, RLError, TeacherError, DatasetBuildError, FileNotFoundError, ValueError) as e:
+    except (RecipeError, RLError, TeacherError, DatasetBuildError, OnPolicyError, FileNotFoundError, ValueError) as e:
         _fail(str(e))
 
 

@@ -1,10 +1,12 @@
-"""The main job: distill -> SFT -> GiGPO RL on one recipe, then a table of what each stage did.
+"""The main job: distill -> SFT -> on-policy distillation -> GiGPO RL on one recipe, then a table of what each
+stage did.
 
     accelerate launch rl/train_gigpo.py recipes/medium.yaml        # the same as: embodistill rl recipes/medium.yaml
 
 The RL stage starts from `rl.init`: with `sft` (this recipe's SFT checkpoint) the distillation and SFT stages
 run first when their outputs are missing, each resuming what an interrupted run left, and are reused when they
-exist. Each stage shows one progress bar and writes its raw logs to OUT/log.txt of its own folder.
+exist; with `onpolicy` the on-policy distillation stage runs after them. Each stage shows one progress bar and
+writes its raw logs to OUT/log.txt of its own folder.
 
 Under several processes (`accelerate launch --num_processes N`, `torchrun`), the main process makes the
 missing upstream stages alone, as a one-process run, while the others wait; then all of them train.
@@ -21,7 +23,8 @@ from typing import Iterator
 
 from pipeline.console import print_tables, stage_log
 from pipeline.recipe import Recipe, load_recipe
-from pipeline.stages import distill_complete, rl_init, run_distill_stage, run_rl_stage, run_sft_stage
+from pipeline.stages import (distill_complete, rl_init, run_distill_stage, run_onpolicy_stage, run_rl_stage,
+                             run_sft_stage)
 from rl.trainer import RLError
 
 # what torchrun and accelerate set for a process group: hidden while the main process runs a stage alone
@@ -83,19 +86,34 @@ def _sft_row(folder: Path, cached: bool, seconds: float | None = None) -> dict:
     return {"stage": "sft", "seconds": seconds, "cached": cached, "figures": figures, "output": str(folder / "final")}
 
 
-def make_upstream(recipe: Recipe, init: Path, own_sft: bool, quiet: bool) -> list[dict]:
-    """The stages before RL, made when missing: the distilled dataset, then the SFT checkpoint. Returns their
-    rows of the closing table."""
-    sft_dir = init.parent
-    distill_dir = Path("outputs") / recipe.name / "distill"
+def _onpolicy_row(folder: Path, cached: bool, seconds: float | None = None) -> dict:
+    m = _read(folder / "metrics.json")
+    rounds = [r for r in m.get("rounds", []) if r.get("round", 0) > 0]
+    tsr = " -> ".join(f"{r['test']['all']['tsr']:.4f}" for r in m.get("rounds", []) if "all" in r.get("test", {}))
+    agree = ", ".join(f"{r['collect']['agreement']:.2f}" for r in rounds)
+    figures = (f"{len(rounds)} rounds, {m.get('rows', '?')} labelled states; agreement with the teacher by round "
+               f"{agree}; test TSR by round {tsr}") if rounds else "a checkpoint made elsewhere"
+    return {"stage": "onpolicy", "seconds": m.get("seconds") if seconds is None else seconds, "cached": cached,
+            "figures": figures, "output": str(folder / "final")}
+
+
+def make_upstream(recipe: Recipe, init: Path, own: bool, quiet: bool) -> list[dict]:
+    """The stages before RL, made when missing: the distilled dataset, the SFT checkpoint and, with
+    `rl.init: onpolicy`, the on-policy distilled student. Returns their rows of the closing table."""
+    base = Path("outputs") / recipe.name
+    distill_dir, sft_dir, op_dir = base / "distill", base / "sft", base / "onpolicy"
+    with_onpolicy = own and init.parent == op_dir
     if (init / "config.json").is_file():
-        rows = [_sft_row(sft_dir, cached=True)] if own_sft else []
-        return ([_distill_row(recipe, distill_dir, cached=True)] if own_sft and
-                (distill_dir / "metrics.json").is_file() else []) + rows
-    if not own_sft:
+        if not own:
+            return []
+        rows = [_distill_row(recipe, distill_dir, cached=True)] if (distill_dir / "metrics.json").is_file() else []
+        rows.append(_sft_row(sft_dir, cached=True))
+        return rows + ([_onpolicy_row(op_dir, cached=True)] if with_onpolicy else [])
+    if not own:
         raise RLError(f"{init}: no model checkpoint there (no config.json). A student comes from `embodistill sft "
-                      "RECIPE` (outputs/<recipe>/sft/final) or an earlier RL run (OUT/final); `rl.init: sft` makes "
-                      "it on the fly")
+                      "RECIPE` (outputs/<recipe>/sft/final), `embodistill onpolicy RECIPE` (outputs/<recipe>/"
+                      "onpolicy/final) or an earlier RL run (OUT/final); `rl.init: sft` or `onpolicy` makes it on "
+                      "the fly")
     rows = []
     with alone():
         dataset = distill_dir / "dataset"
@@ -106,10 +124,18 @@ def make_upstream(recipe: Recipe, init: Path, own_sft: bool, quiet: bool) -> lis
             with stage_log(distill_dir):
                 run_distill_stage(recipe, distill_dir, show_progress=not quiet)
             rows.append(_distill_row(recipe, distill_dir, cached=False, seconds=time.perf_counter() - t0))
-        t0 = time.perf_counter()
-        with stage_log(sft_dir):
-            run_sft_stage(recipe, dataset, sft_dir, show_progress=not quiet)
-        rows.append(_sft_row(sft_dir, cached=False, seconds=time.perf_counter() - t0))
+        if with_onpolicy and (sft_dir / "manifest.json").is_file() and (sft_dir / "final" / "config.json").is_file():
+            rows.append(_sft_row(sft_dir, cached=True))
+        else:
+            t0 = time.perf_counter()
+            with stage_log(sft_dir):
+                run_sft_stage(recipe, dataset, sft_dir, show_progress=not quiet)
+            rows.append(_sft_row(sft_dir, cached=False, seconds=time.perf_counter() - t0))
+        if with_onpolicy:
+            t0 = time.perf_counter()
+            with stage_log(op_dir):
+                run_onpolicy_stage(recipe, dataset, sft_dir / "final", op_dir, show_progress=not quiet)
+            rows.append(_onpolicy_row(op_dir, cached=False, seconds=time.perf_counter() - t0))
     return rows
 
 
@@ -138,7 +164,7 @@ def run_main_job(recipe_path: str | Path, init: str | Path | None = None, algori
     """Make what RL starts from when missing, run RL, print the closing table (main process). Returns the RL
     run's summary (OUT/metrics.json)."""
     recipe = load_recipe(recipe_path)   # unknown or ill-typed keys fail here, before any work
-    init, own_sft = rl_init(recipe, init)
+    init, own = rl_init(recipe, init)
     algorithm = algorithm or recipe.rl.algorithm
     out = Path(out) if out else Path("outputs") / recipe.name / "rl" / (algorithm + ("" if seed is None
                                                                                     else f"-seed{seed}"))
@@ -148,9 +174,9 @@ def run_main_job(recipe_path: str | Path, init: str | Path | None = None, algori
         failed = init.parent / UPSTREAM_FAILED
         failed.unlink(missing_ok=True)
         try:
-            rows = make_upstream(recipe, init, own_sft, quiet)
+            rows = make_upstream(recipe, init, own, quiet)
         except Exception as e:
-            if own_sft:
+            if own:
                 failed.parent.mkdir(parents=True, exist_ok=True)
                 failed.write_text(str(e))
             raise

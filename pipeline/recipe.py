@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agent.clients import ClientSpec
+from distill.onpolicy import OnPolicyConfig
 from rl.config import GiGPOConfig
 from sft.train import SFTSection
 from sandbox.scenes import scene_ids
@@ -140,6 +141,7 @@ class Recipe(_Strict):
     judge: JudgeSection = Field(default_factory=JudgeSection)
     distill: DistillSection = Field(default_factory=DistillSection)
     sft: SFTSection = Field(default_factory=SFTSection)
+    onpolicy: OnPolicyConfig = Field(default_factory=OnPolicyConfig)
     rl: GiGPOConfig = Field(default_factory=GiGPOConfig)
 
     @field_validator("name")

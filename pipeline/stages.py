@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import time
 from collections import Counter
@@ -14,25 +15,28 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from agent.clients import ClientSpec, make_client
+from agent.clients import ClientSpec, TransformersClient, make_client
 from agent.llm_builder import LLMBuilder
 from agent.llm_persona import LLMHumanAgent
 from agent.metrics import split_metrics
+from agent.policies import ChatPolicy
 from agent.progress import StageBar
-from agent.trajectory import numbered_lines, write_json, write_jsonl
+from agent.trajectory import numbered_lines, write_json, write_jsonl, write_text_atomic
 from distill.card import card_metadata, render_card
-from distill.dataset import DatasetBuildError, build_rows, write_artifact
+from distill.dataset import CONFIGS, SPLITS, DatasetBuildError, build_rows, validation_instructions, write_artifact
 from distill.filter import FilterThresholds, filter_stats, judge_and_filter
+from distill.onpolicy import collect, make_labeller, round_tasks, takeover
 from distill.teacher import run_teacher, teacher_description, teacher_name
 from evaluation.sandbox_eval import evaluate
 from pipeline.recipe import Recipe, RecipeError, format_validation
 from reward_engine.judge import LLMBackend, RewardEngine, RuleBackend, VerdictCache
 from reward_engine.prompt import default_prompt, load_prompt
 from rl.trainer import GiGPOTrainer
+from sandbox.gym_env import SandboxEnv
 from sandbox.builder import BuildConfig, BuildStats, build_split, compositional_split, target_combos
 from sandbox.scenes import load_scene
 from sandbox.schema import TaskInstance
-from sft.train import run_sft
+from sft.train import run_gkd, run_sft
 
 
 def build_config(recipe: Recipe) -> BuildConfig:
@@ -272,6 +276,7 @@ def run_distill_stage(recipe: Recipe, out: Path, tasks_dir: Path | None = None, 
         meta = card_metadata(sizes, d.license, pretty, d.sample_format, file_sizes)
         return render_card(meta, about)
 
+    write_json(out / "card.json", about)   # what the card says of the run (on-policy distillation re-renders it)
     sizes = write_artifact(out / "dataset", rows, card_text)
     labels = Counter(u.label for v in verdicts for u in v.turns if u.label)
     metrics = {"recipe": recipe.name, "teacher": name, "episodes": len(trajs), "kept": len(kept),
@@ -292,7 +297,7 @@ def run_distill_stage(recipe: Recipe, out: Path, tasks_dir: Path | None = None, 
     return metrics
 
 
-DISTILL_OUTPUTS = ("manifest.json", "metrics.json", "verdicts.jsonl", "decisions.jsonl", "dataset")
+DISTILL_OUTPUTS = ("manifest.json", "metrics.json", "verdicts.jsonl", "decisions.jsonl", "card.json", "dataset")
 
 
 def begin_stage(out: Path, outputs: tuple[str, ...]) -> None:
@@ -345,11 +350,217 @@ def run_sft_stage(recipe: Recipe, dataset_dir: Path, out: Path, show_progress: b
 
 
 def rl_init(recipe: Recipe, init: str | Path | None = None) -> tuple[Path, bool]:
-    """The RL run's starting checkpoint, and whether this recipe's own SFT stage makes it (`rl.init: sft`)."""
+    """The RL run's starting checkpoint, and whether this recipe's own stages make it (`rl.init: sft` or
+    `onpolicy`)."""
     spec = str(init) if init is not None else recipe.rl.init
-    if spec == "sft":
-        return Path("outputs") / recipe.name / "sft" / "final", True
+    if spec in ("sft", "onpolicy"):
+        return Path("outputs") / recipe.name / spec / "final", True
     return Path(spec), False
+
+
+# ----------------------------------------------------------------------------- on-policy distillation
+
+
+ONPOLICY_OUTPUTS = ("manifest.json", "metrics.json", "dataset", "final")
+
+
+def _sha_of_model(folder: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _tsr_by_block(trajs: list, compositional: set[str]) -> dict:
+    """TSR (and episodes) per difficulty, all, and the compositional / seen test tasks."""
+    m = split_metrics(trajs)
+    out = {d: {"tsr": m[d]["tsr"], "episodes": m[d]["episodes"]} for d in ("easy", "medium", "hard", "all") if d in m}
+    for name, keep in (("compositional", True), ("seen", False)):
+        part = [t for t in trajs if (t.task_id in compositional) == keep]
+        if part and compositional:
+            out[name] = {"tsr": split_metrics(part)["all"]["tsr"], "episodes": len(part)}
+    return out
+
+
+def _read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _copy_model(src: Path, dst: Path) -> None:
+    """Copy a model folder into place whole (a temp folder, then a rename)."""
+    tmp = dst.parent / f".{dst.name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(src, tmp)
+    if dst.exists():
+        shutil.rmtree(dst)
+    os.replace(tmp, dst)
+
+
+def run_onpolicy_stage(recipe: Recipe, dataset: Path, init: Path, out: Path, restart: bool = False,
+                       show_progress: bool = True, client=None, seed: int | None = None) -> dict:
+    """On-policy distillation (`distill.onpolicy`): `onpolicy.rounds` rounds, each one
+
+        play      the current student plays this round's tasks (train split and/or the RL pool) through the
+                  one episode loop; the teacher labels every state it reaches (DAgger's beta mixes them)
+        takeover  at a random state of some of those episodes the expert takes over: how recoverable are they?
+        aggregate the round's rows join the dataset as its `onpolicy` config (OUT/dataset: step,
+                  conversation and onpolicy, with the card)
+        train     the student continues with TRL's SFTTrainer on every on-policy row so far plus the teacher's
+                  rows (`onpolicy.teacher_rows`), from the round's starting student
+        evaluate  the new student's greedy TSR on the test split (per difficulty, compositional and seen)
+
+    Writes OUT/round-R/ (rows.jsonl, trajectories.jsonl, collect.json, student/, and metrics.json last: the
+    round is done), OUT/dataset/, OUT/final/ (the last round's student), OUT/metrics.json and, last,
+    OUT/manifest.json. Resumable per round: finished rounds are reused; an interrupted round plays again from its
+    start (its rows are written once, whole) and its training resumes from its checkpoints. Rounds made for
+    other inputs (another starting student, recipe or seed) are discarded."""
+    cfg = recipe.onpolicy
+    seed = recipe.seed if seed is None else seed
+    check_dataset(dataset)
+    card_json = dataset.parent / "card.json"
+    if not card_json.is_file():
+        raise DatasetBuildError(f"{dataset.parent}: no card.json (the distillation predates on-policy "
+                                "distillation): rerun `embodistill distill RECIPE`")
+    if not (init / "config.json").is_file():
+        raise FileNotFoundError(f"{init}: no student there (no config.json) to start on-policy distillation from")
+    t0 = time.time()
+    out.mkdir(parents=True, exist_ok=True)
+    key = {"init": str(init), "init_sha256": _sha_of_model(init), "seed": seed, "recipe_hash": recipe_hash(recipe),
+           "dataset_manifest": hashlib.sha256((dataset.parent / "manifest.json").read_bytes()).hexdigest()[:16]}
+    old_key = json.loads((out / "key.json").read_text()) if (out / "key.json").is_file() else None
+    if restart or old_key != key:
+        for d in out.glob("round-*"):
+            shutil.rmtree(d)
+    begin_stage(out, ONPOLICY_OUTPUTS)
+    write_json(out / "key.json", key)
+
+    bar = StageBar("onpolicy", enabled=show_progress)
+    splits = build_tasks(recipe, bar=bar)[0]
+    pool = build_rl_pool(recipe, splits, recipe.rl.pool_instructions_per_scene, bar=bar) if cfg.tasks != "train" \
+        else []
+    candidates = {"train": splits["train"], "pool": pool, "both": splits["train"] + pool}[cfg.tasks]
+    test = splits["test"]
+    if cfg.eval_tasks is not None:
+        test = sorted(test, key=lambda t: hashlib.sha256(f"{recipe.eval.seed}|{t.id}".encode()).hexdigest())
+        test = test[:cfg.eval_tasks]
+    compositional = {t.id for t in compositional_split(splits["train"], splits["test"])}
+    about = json.loads(card_json.read_text())
+    known_val = set(about["instructions"]["validation"])
+    train_instr = set(about["instructions"]["train"])
+    fresh = sorted({t.instruction_id for t in pool} - known_val - train_instr)
+    validation = known_val | validation_instructions(fresh, recipe.distill.validation_fraction, seed)
+    make_env = lambda: SandboxEnv(human_factory=human_factory(recipe))  # noqa: E731
+    name = teacher_name(cfg.teacher)
+
+    def evaluate_student(folder: Path, label: str) -> dict:
+        bar.phase(f"{label}: test split", len(test), unit="ep")
+        m, trajs = evaluate(test, str(folder), seed=recipe.eval.seed, progress=bar.update,
+                            human_factory=human_factory(recipe), batch_size=cfg.batch_size)
+        return _tsr_by_block(trajs, compositional)
+
+    rounds = []
+    if cfg.eval_init:
+        r0 = out / "round-0"
+        if not (r0 / "metrics.json").is_file():
+            t1 = time.time()
+            write_json(r0 / "metrics.json", {"round": 0, "student": str(init),
+                                             "test": evaluate_student(init, "round 0 (the starting student)"),
+                                             "eval_seconds": round(time.time() - t1, 1)})
+        rounds.append(json.loads((r0 / "metrics.json").read_text()))
+    student, rows = init, []
+    for r in range(1, cfg.rounds + 1):
+        rd = out / f"round-{r}"
+        if (rd / "metrics.json").is_file():        # a finished round: reused
+            rows += _read_rows(rd / "rows.jsonl")
+            student = rd / "student" / "final"
+            rounds.append(json.loads((rd / "metrics.json").read_text()))
+            continue
+        # 1. the student plays, the teacher labels every state it reaches
+        t1 = time.time()
+        if not (rd / "rows.jsonl").is_file() or not (rd / "collect.json").is_file():
+            tasks = round_tasks(candidates, cfg.tasks_per_round, seed, r)
+            bar.phase(f"round {r}: student plays, {name} labels", len(tasks), unit="ep")
+            student_client = TransformersClient(student, max_new_tokens=cfg.max_new_tokens,
+                                                temperature=cfg.temperature, seed=seed, batch_size=cfg.batch_size)
+            got = collect(make_env, ChatPolicy(student_client, name="student"), make_labeller(cfg.teacher, client),
+                          tasks, seed, r, beta=cfg.beta_for(r), batch_size=cfg.batch_size, validation=validation,
+                          teacher_name=name, max_error_share=cfg.max_teacher_error_share, progress=bar.update)
+            # 2. how recoverable are the states it reached?
+            bar.phase(f"round {r}: expert takes over", 1, unit="run")
+            took = takeover(make_env, got.played.trajectories, {t.id: t for t in tasks}, seed * 1000 + r,
+                            cfg.takeover_episodes)
+            bar.update(1)
+            write_jsonl(rd / "trajectories.jsonl", got.played.trajectories)
+            write_text_atomic(rd / "rows.jsonl", "".join(json.dumps(x) + "\n" for s in ("train", "validation")
+                                                         for x in got.rows[s]))
+            write_json(rd / "collect.json", {**got.stats, "takeover": took, "seconds": round(time.time() - t1, 1)})
+        collected = json.loads((rd / "collect.json").read_text())
+        rows += _read_rows(rd / "rows.jsonl")
+        # 3. the aggregate: the distilled dataset plus every on-policy row so far, as its `onpolicy` config
+        write_onpolicy_dataset(recipe, dataset, out / "dataset", rows, validation, about, rounds, collected)
+        # 4. the student continues on the aggregate
+        t2 = time.time()
+        sft_cfg = recipe.sft.model_copy(update={"epochs": cfg.epochs, "lr": cfg.lr, "lm_epochs": 0.0,
+                                                "max_steps": -1})
+        caps = {"step": cfg.teacher_rows} if cfg.teacher_rows is not None else None
+        if cfg.loss == "gkd":   # the teacher model's token distributions on the collected student prompts
+            sm = run_gkd(sft_cfg, out / "dataset", rd / "student", init=student, teacher=cfg.teacher.model,
+                         seed=seed + r, lmbda=cfg.gkd_lmbda, beta=cfg.gkd_beta, max_new_tokens=cfg.max_new_tokens,
+                         config=("step", "onpolicy"), rows_per_config=caps, bar=bar)
+        else:
+            sm = run_sft(sft_cfg, out / "dataset", rd / "student", seed=seed + r, config=("step", "onpolicy"),
+                         bar=bar, init=student, rows_per_config=caps)
+        train_s = time.time() - t2
+        student = rd / "student" / "final"
+        # 5. how good is it now?
+        t3 = time.time()
+        test_m = evaluate_student(student, f"round {r}")
+        m = {"round": r, "student": str(student), "collect": collected, "rows_so_far": len(rows),
+             "train": {k: sm.get(k) for k in ("train_samples", "steps", "train_loss", "eval_loss", "train_seconds")},
+             "train_seconds": round(train_s, 1), "test": test_m, "eval_seconds": round(time.time() - t3, 1),
+             "seconds": round(time.time() - t1, 1)}
+        write_json(rd / "metrics.json", m)
+        rounds.append(m)
+    bar.close()
+    _copy_model(student, out / "final")
+    if not (out / "dataset" / "README.md").is_file():   # every round was reused: the aggregate is rewritten
+        write_onpolicy_dataset(recipe, dataset, out / "dataset", rows, validation, about, rounds, None)
+    metrics = {"recipe": recipe.name, "teacher": name, "rounds": rounds, "rows": len(rows), "final": str(out / "final"),
+               "init": str(init), "seconds": round(time.time() - t0, 1)}
+    write_json(out / "metrics.json", metrics)
+    write_json(out / "manifest.json", {"stage": "onpolicy", **key, "rounds": cfg.rounds})
+    return metrics
+
+
+def write_onpolicy_dataset(recipe: Recipe, dataset: Path, out: Path, rows: list[dict], validation: set[str],
+                           about: dict, rounds: list[dict], last: dict | None) -> dict:
+    """OUT: the distilled dataset's configs plus `onpolicy` (every on-policy row so far), with the card."""
+    from datasets import load_dataset
+    base = {c: {s: load_dataset(str(dataset), c, split=s).to_list() for s in SPLITS} for c in CONFIGS}
+    if not any(x["instruction_id"] in validation for x in rows):
+        # no on-policy row comes from a validation instruction yet: hold out a share of the rows' own instructions
+        validation = validation_instructions([x["instruction_id"] for x in rows], recipe.distill.validation_fraction,
+                                             recipe.seed)
+        if not validation:
+            raise DatasetBuildError(f"{out}: the on-policy rows come from {len({x['instruction_id'] for x in rows})} "
+                                    "instruction(s); a validation split needs at least 2 (onpolicy.tasks_per_round?)")
+    base["onpolicy"] = {s: [x for x in rows if (x["instruction_id"] in validation) == (s == "validation")]
+                        for s in SPLITS}
+    done = [r["collect"] for r in rounds if r.get("round", 0) > 0 and "collect" in r] + ([last] if last else [])
+    info = {**about, "onpolicy": {"teacher": teacher_name(recipe.onpolicy.teacher),
+                                  "tasks": recipe.onpolicy.tasks_per_round,
+                                  "rounds": [{"round": c["round"], "beta": c["beta"], "rows": sum(c["rows"].values()),
+                                              "agreement": c["agreement"], "student_tsr": c["student_tsr"]}
+                                             for c in done]}}
+    d = recipe.distill
+
+    def card_text(sizes, file_sizes):
+        meta = card_metadata(sizes, d.license, d.pretty_name or f"embodistill {recipe.name}", d.sample_format,
+                             file_sizes, extra_tags=("on-policy-distillation", "dagger"))
+        return render_card(meta, info)
+
+    return write_artifact(out, base, card_text)
 
 
 def make_rl_trainer(recipe: Recipe, out: Path, init: Path, algorithm: str | None = None, seed: int | None = None,

@@ -50,7 +50,8 @@ class GiGPOConfig(_Strict):
         algorithm: "gigpo" (episode-level plus anchor-state step-level advantages) or "grpo" (the same run with
             the episode-level advantage only: step_weight 0).
         init: the starting model: "sft" (the recipe's SFT checkpoint, outputs/<recipe>/sft/final, made first when
-            missing) or a model folder.
+            missing), "onpolicy" (the on-policy distilled student, outputs/<recipe>/onpolicy/final, made after
+            SFT when missing) or a model folder.
         difficulties: the pool tasks used (default: every difficulty built).
         task_pool: "train" (the train split, the instructions SFT was distilled from) or "fresh" (the "rl"
             split: new instructions and layouts, none of the train or test split).

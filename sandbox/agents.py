@@ -10,27 +10,62 @@ from __future__ import annotations
 import random
 
 from sandbox.expert import ExpertPlanner
-from sandbox.skills import SKILLS, StepResult
+from sandbox.skills import SKILLS, StepResult, same_call
 
 
 class ExpertAgent:
     """The expert planner acting on the agent's belief only (never the true state): it searches, asks, fails
-    and recovers, as a teacher should."""
+    and recovers, as a teacher should.
+
+    `takeover=True`: the expert labels, or takes over, an episode another policy plays. It is asked `act` at
+    every state and then told the call that was actually made; a call that is not the one it proposed counts
+    as someone else's (`ExpertPlanner.observe(own=False)`): a wrong report or operation does not mark its stage
+    done, and the other policy's repeated failures do not make it give up. `privileged=True` is the oracle
+    (it reads the true state: for validating tasks and states, never for teaching)."""
 
     name = "expert"
 
-    def __init__(self, env, seed: int = 0):
+    def __init__(self, env, seed: int = 0, takeover: bool = False, privileged: bool = False):
         if env.ctrl is None:
             raise RuntimeError("ExpertAgent: reset the env first (env.reset(options={'task': ...}))")
-        self.planner = ExpertPlanner(env.ctrl, privileged=False)
+        self.planner = ExpertPlanner(env.ctrl, privileged=privileged)
+        self.takeover = takeover
+        self.proposed: dict | None = None
 
     def act(self, info: dict) -> tuple[str, dict]:
-        return self.planner.act()
+        thought, call = self.planner.act()
+        self.proposed = call
+        return thought, call
 
     def observe(self, call: dict | None, info: dict, observation: str) -> None:
         if call is not None:
+            own = not self.takeover or same_call(call, self.proposed)
             self.planner.observe(call, StepResult(ok=info["error"] is None, observation=observation,
-                                                  error=info["error"]))
+                                                  error=info["error"]), own=own)
+
+
+class ReplayAgent:
+    """Replays the calls another policy made (dicts, or the unreadable text it wrote), then hands over to
+    `then`, an agent made by `then(env, seed)` at the start; `then` is asked at every replayed state and told
+    each replayed call, exactly as when it labels a live episode. How an expert takes over at step t of a
+    student's episode: `ReplayAgent(env, seed, calls[:t], then=lambda e, s: ExpertAgent(e, s, takeover=True))`."""
+
+    name = "takeover"
+
+    def __init__(self, env, seed: int, calls: list, then):
+        self.calls, self.next = list(calls), then(env, seed)
+        self.step = 0
+
+    def act(self, info: dict):
+        thought, call = self.next.act(info)
+        if self.step < len(self.calls):
+            replayed = self.calls[self.step]
+            self.step += 1
+            return "replayed", replayed
+        return thought, call
+
+    def observe(self, call: dict | None, info: dict, observation: str) -> None:
+        self.next.observe(call, info, observation)
 
 
 def known_ids(known: dict) -> list[str]:

@@ -179,13 +179,18 @@ class ExpertPlanner:
             return a
         return "Every part of the instruction is done.", _call("finish", summary="task complete")
 
-    def observe(self, call: dict, res: StepResult) -> None:
+    def observe(self, call: dict, res: StepResult, own: bool = True) -> None:
+        """Update the memory with a call's result. `own=False`: another policy chose the call (the expert labels
+        or takes over a student's episode): what it revealed is remembered, but a report or an operation the
+        expert did not choose does not count as its stage done, and its failures do not count towards giving
+        up (the student's loop is not the expert's)."""
         key = repr(call)
         fail_key = key + res.observation  # the same failure three times: stop instead of looping
         if not res.ok:
-            self.m.failures[fail_key] = self.m.failures.get(fail_key, 0) + 1
-            if self.m.failures[fail_key] >= 3:
-                self.m.gave_up = True
+            if own:
+                self.m.failures[fail_key] = self.m.failures.get(fail_key, 0) + 1
+                if self.m.failures[fail_key] >= 3:
+                    self.m.gave_up = True
             self.m.tried[key] = self.m.tried.get(key, 0) + 1
         n = call["name"]
         a = call.get("arguments", {})
@@ -201,9 +206,9 @@ class ExpertPlanner:
                 self.m.told[topic] = res.observation.split('says: "', 1)[-1].rstrip('"')
             elif not busy:
                 self.m.asked.add((a["person"], topic))
-        if n == "report" and res.ok:
+        if n == "report" and res.ok and own:
             self.m.reported.add(self.m.stage)
-        if n == "operate" and (res.ok or "already" in res.observation):
+        if n == "operate" and (res.ok or "already" in res.observation) and own:
             self.m.operated.add(self.m.stage)
         if n == "place" and res.ok:
             self.m.placed_next.add((a["object"], a["target"]))

@@ -12,6 +12,21 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from sandbox.schema import HELP_REQUESTS
+from sandbox.text import normalize
+
+# arguments whose wording is free: two calls that differ only there are the same action
+FREE_TEXT_ARGS = ("message", "reason", "summary")
+
+
+def same_call(pred: dict | None, gold: dict | None, free_text: tuple[str, ...] = FREE_TEXT_ARGS) -> bool:
+    """Same skill and same arguments (normalized); free-text arguments (message, reason, summary) are not
+    compared. A missing call (an unreadable reply) matches nothing."""
+    if not isinstance(pred, dict) or not isinstance(gold, dict) or pred.get("name") != gold.get("name"):
+        return False
+    pa, ga = pred.get("arguments") or {}, gold.get("arguments") or {}
+    keys = (set(pa) | set(ga)) - set(free_text)
+    return all(normalize(str(pa.get(k, ""))) == normalize(str(ga.get(k, ""))) for k in keys)
+
 
 # the skills that ask a person something (their replies are recorded; help requests are counted)
 HELP_SKILLS = frozenset({"talk_to", "ask_for_help"})

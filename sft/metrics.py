@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from agent.parser import ToolCall, parse_action
-from sandbox.text import normalize
+from sandbox.skills import same_call
 
 
 def _target_call(row: dict) -> dict:
@@ -14,15 +14,6 @@ def _target_call(row: dict) -> dict:
     if isinstance(args, str):
         args = json.loads(args)
     return {"name": fn["name"], "arguments": {k: v for k, v in (args or {}).items() if v is not None}}
-
-
-def same_call(pred: dict, gold: dict, free_text: tuple[str, ...] = ("message", "reason", "summary")) -> bool:
-    """Same skill and same arguments; free-text arguments (message, reason, summary) are not compared."""
-    if pred["name"] != gold["name"]:
-        return False
-    keys = (set(pred["arguments"]) | set(gold["arguments"])) - set(free_text)
-    return all(normalize(str(pred["arguments"].get(k, ""))) == normalize(str(gold["arguments"].get(k, "")))
-               for k in keys)
 
 
 def next_action_exact_match(client, rows, batch_size: int = 32) -> dict:

@@ -17,7 +17,7 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -242,11 +242,37 @@ def _train_phase(cfg: SFTSection, model, tok, peft_cfg, train, val, ckpt_dir: Pa
                      "bf16": bool(args.bf16), "resumed": resume, "curve": curve}
 
 
+def training_splits(dataset_dir: str | Path, config: str | Sequence[str], seed: int,
+                    rows_per_config: dict[str, int] | None = None):
+    """(train, validation) of one config, or of several joined on the columns they share (`messages`, `tools`).
+    `rows_per_config` caps a config's train rows with a seeded sample (on-policy rounds: a sample of the
+    teacher's rows beside every on-policy row)."""
+    from datasets import concatenate_datasets
+    configs = [config] if isinstance(config, str) else list(config)
+    if len(configs) == 1 and not rows_per_config:
+        ds = load_sft_dataset(dataset_dir, configs[0])
+        return ds["train"], ds["validation"]
+    trains, vals = [], []
+    for c in configs:
+        ds = load_sft_dataset(dataset_dir, c)
+        train = ds["train"].select_columns(["messages", "tools"])
+        cap = (rows_per_config or {}).get(c)
+        if cap is not None and cap < len(train):
+            train = train.shuffle(seed=seed).select(range(cap))
+        trains.append(train)
+        vals.append(ds["validation"].select_columns(["messages", "tools"]))
+    return concatenate_datasets(trains), concatenate_datasets(vals).shuffle(seed=seed)
+
+
 def run_sft(cfg: SFTSection, dataset_dir: str | Path, out: str | Path, seed: int = 0, show_progress: bool = True,
-            callbacks=None, config: Literal["step", "conversation"] = "step", bar: StageBar | None = None) -> dict:
+            callbacks=None, config: str | Sequence[str] = "step", bar: StageBar | None = None,
+            init: str | Path | None = None, rows_per_config: dict[str, int] | None = None) -> dict:
     """Train the student on one dataset config (`step`: per-step prompts as RL shows them; `conversation`:
-    whole multi-turn episodes) and write OUT/final, OUT/checkpoints, OUT/metrics.json. Progress shows on `bar`
-    (default: a bar of its own, when `show_progress`); the trainer's records go to this module's logger."""
+    whole multi-turn episodes), or on several joined (`training_splits`), and write OUT/final,
+    OUT/checkpoints, OUT/metrics.json. `init`: continue from this student (a `save_pretrained` folder with its
+    tokenizer; a pretrained student gets a fresh LoRA adapter) instead of building the recipe's student; the
+    language-modelling phase is then skipped. Progress shows on `bar` (default: a bar of its own, when
+    `show_progress`); the trainer's records go to this module's logger."""
     import torch
     from transformers import set_seed
 
@@ -261,13 +287,19 @@ def run_sft(cfg: SFTSection, dataset_dir: str | Path, out: str | Path, seed: int
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     set_seed(seed)
-    ds = load_sft_dataset(dataset_dir, config)
-    train, val = ds["train"], ds["validation"]
+    train, val = training_splits(dataset_dir, config, seed, rows_per_config)
     if cfg.max_train_samples:
         train = train.select(range(min(cfg.max_train_samples, len(train))))
     val = val.select(range(min(cfg.max_eval_samples, len(val))))
     student_dir = out / "student_init"
-    if cfg.student.kind == "tiny" and (student_dir / "config.json").is_file():
+    if init is not None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        if not (Path(init) / "config.json").is_file():
+            raise FileNotFoundError(f"{init}: no student there (no config.json) to continue training from")
+        tok = AutoTokenizer.from_pretrained(init, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(init, local_files_only=True)
+        peft_cfg = lora_config(cfg.student) if cfg.student.kind != "tiny" else None
+    elif cfg.student.kind == "tiny" and (student_dir / "config.json").is_file():
         # resume: the tokenizer and initial weights were made by an earlier run of this stage
         from transformers import AutoModelForCausalLM, AutoTokenizer
         tok = AutoTokenizer.from_pretrained(student_dir)
@@ -286,7 +318,7 @@ def run_sft(cfg: SFTSection, dataset_dir: str | Path, out: str | Path, seed: int
                      if not os.environ.get(k)}
         report = ["wandb"]
     lm = None
-    if cfg.lm_epochs > 0:
+    if cfg.lm_epochs > 0 and init is None:
         from transformers import AutoModelForCausalLM
         lm_final = out / "lm" / "final"
         if not (lm_final / "config.json").is_file():  # else resume: the language-modelling phase is done
@@ -314,9 +346,115 @@ def run_sft(cfg: SFTSection, dataset_dir: str | Path, out: str | Path, seed: int
     model.save_pretrained(staging)
     tok.save_pretrained(staging)
     os.replace(staging, final)
-    metrics = {"train_samples": len(train), "eval_samples": len(val), "format": config, "params": n_params(model),
+    metrics = {"train_samples": len(train), "eval_samples": len(val),
+               "format": config if isinstance(config, str) else "+".join(config), "params": n_params(model),
+               "init": str(init) if init is not None else None,
                **m, "lm_phase": lm, "student": cfg.student.model_dump(mode="json"), "final": str(final)}
     write_json(out / "metrics.json", metrics)
     write_json(out / "manifest.json", {"stage": "sft", "dataset": str(dataset_dir),
                                        "config": json.loads(cfg.model_dump_json())})
+    return metrics
+
+
+class PromptCompletionCollator:
+    """GKD batches from chat rows: the whole row (`input_ids`, `attention_mask`, `labels` on the completion only)
+    and its prompt with the generation prompt (`prompts`, `prompt_attention_mask`, for the student's own
+    completions), all left-padded. Prompt and completion meet at the chat template's special tokens, so the
+    prompt's tokens are a prefix of the row's (checked). TRL's `DataCollatorForChatML` does the same through byte
+    offsets, which a tiny student's tokenizer (byte-level, with id tokens) does not give monotonically."""
+
+    def __init__(self, tokenizer, max_length: int):
+        self.tok, self.max_length = tokenizer, max_length
+
+    def __call__(self, examples: list[dict]) -> dict:
+        import torch
+        from torch.nn.utils.rnn import pad_sequence
+        rows, prompts, labels = [], [], []
+        for ex in examples:
+            msgs = ex["messages"]
+            prompt = self.tok.apply_chat_template(msgs[:-1], add_generation_prompt=True, tokenize=False)
+            full = self.tok.apply_chat_template(msgs, tokenize=False)
+            p_ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
+            f_ids = self.tok(full, add_special_tokens=False)["input_ids"]
+            if f_ids[: len(p_ids)] != p_ids:
+                raise ValueError("gkd: the prompt's tokens are not a prefix of the row's (the chat template joins "
+                                 "prompt and completion inside a token)")
+            keep = max(0, len(f_ids) - self.max_length)   # cut from the left: the completion stays whole
+            rows.append(f_ids[keep:])
+            prompts.append(p_ids[keep:])
+            labels.append(([-100] * len(p_ids) + f_ids[len(p_ids):])[keep:])
+
+        def left(seqs, value):
+            flipped = [torch.tensor(x[::-1], dtype=torch.long) for x in seqs]
+            return pad_sequence(flipped, batch_first=True, padding_value=value).flip(1)
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        return {"input_ids": left(rows, pad), "attention_mask": left([[1] * len(x) for x in rows], 0),
+                "labels": left(labels, -100), "prompts": left(prompts, pad),
+                "prompt_attention_mask": left([[1] * len(x) for x in prompts], 0)}
+
+
+def run_gkd(cfg: SFTSection, dataset_dir: str | Path, out: str | Path, init: str | Path, teacher: str | Path,
+            seed: int = 0, lmbda: float = 0.5, beta: float = 0.5, max_new_tokens: int = 96,
+            config: str | Sequence[str] = "onpolicy", rows_per_config: dict[str, int] | None = None,
+            bar: StageBar | None = None) -> dict:
+    """Generalized knowledge distillation (Agarwal et al., "On-Policy Distillation of Language Models", ICLR
+    2024) with TRL's `GKDTrainer`: on the collected student prompts, a share `lmbda` of the completions is
+    sampled from the student itself, and the loss is the generalized Jensen-Shannon divergence (interpolation
+    `beta`) between the teacher's and the student's token distributions. The teacher is a local model folder
+    that shares the student's tokenizer (the same vocabulary). Writes OUT/final and OUT/metrics.json, like
+    `run_sft`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+    from transformers.trainer_callback import PrinterCallback
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("manifest.json", "metrics.json"):
+        (out / name).unlink(missing_ok=True)
+    set_seed(seed)
+    for path, what in ((init, "student"), (teacher, "teacher")):
+        if not (Path(path) / "config.json").is_file():
+            raise FileNotFoundError(f"{path}: no {what} model there (no config.json)")
+    tok = AutoTokenizer.from_pretrained(init, local_files_only=True)
+    t_tok = AutoTokenizer.from_pretrained(teacher, local_files_only=True)
+    if t_tok.get_vocab() != tok.get_vocab():
+        raise ValueError(f"onpolicy.loss gkd: the teacher {teacher} does not share the student's tokenizer "
+                         "(GKD compares token distributions over one vocabulary)")
+    model = AutoModelForCausalLM.from_pretrained(init, local_files_only=True)
+    teacher_model = AutoModelForCausalLM.from_pretrained(teacher, local_files_only=True)
+    train, val = training_splits(dataset_dir, config, seed, rows_per_config)
+    val = val.select(range(min(cfg.max_eval_samples, len(val))))
+    args = GKDConfig(
+        output_dir=str(out / "checkpoints"), seed=seed, lmbda=lmbda, beta=beta, max_new_tokens=max_new_tokens,
+        temperature=1.0, num_train_epochs=cfg.epochs, max_steps=cfg.max_steps,
+        per_device_train_batch_size=cfg.batch_size, per_device_eval_batch_size=cfg.batch_size,
+        gradient_accumulation_steps=cfg.grad_accum, learning_rate=cfg.lr, lr_scheduler_type=cfg.scheduler,
+        logging_steps=cfg.logging_steps, eval_strategy="no", save_strategy="steps", save_steps=cfg.save_steps,
+        save_total_limit=2, report_to=[], disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
+        bf16=use_bf16(cfg.bf16), max_length=cfg.max_length)
+    trainer = GKDTrainer(model=model, teacher_model=teacher_model, args=args, train_dataset=train,
+                         processing_class=tok, data_collator=PromptCompletionCollator(tok, cfg.max_length))
+    trainer.remove_callback(PrinterCallback)
+    own_bar = bar is None
+    bar = StageBar("gkd", enabled=False) if own_bar else bar
+    trainer.add_callback(_progress_callback(bar, "gkd"))
+    resume = any((out / "checkpoints").glob("checkpoint-*"))
+    t0 = time.time()
+    result = trainer.train(resume_from_checkpoint=True if resume else None)
+    train_s = time.time() - t0
+    staging, final = out / ".final.tmp", out / "final"
+    if staging.exists():
+        shutil.rmtree(staging)
+    trainer.model.save_pretrained(staging)
+    tok.save_pretrained(staging)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    metrics = {"loss": "gkd", "lmbda": lmbda, "beta": beta, "train_samples": len(train), "eval_samples": len(val),
+               "steps": trainer.state.global_step, "train_seconds": round(train_s, 1),
+               "train_loss": result.training_loss, "eval_loss": None, "params": n_params(trainer.model),
+               "init": str(init), "teacher": str(teacher), "final": str(final)}
+    write_json(out / "metrics.json", metrics)
+    write_json(out / "manifest.json", {"stage": "gkd", "dataset": str(dataset_dir), "teacher": str(teacher)})
     return metrics
