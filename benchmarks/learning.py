@@ -18,7 +18,17 @@ Prints one JSON object:
   (both words were), for the student and the expert;
 - `acceptance`: the issue's thresholds, checked.
 
-With `--stage rl` (default recipe `recipes/medium.yaml`): the upstream stages (cached under OUT), then for each
+With `--stage onpolicy` (default recipe `recipes/medium.yaml`): the distillation (cached under OUT), then for each
+seed SFT of the recipe's student with that seed (OUT/sft-seedS, `--bf16` overrides `sft.bf16`) and the recipe's
+on-policy rounds from it with the same seed (OUT/onpolicy-seedS; finished parts are reused, `--jobs` runs seeds in
+parallel processes). Prints per seed and round the test TSR (per difficulty, `seen` and `compositional`), the
+agreement with the teacher, the student's success on the round's own tasks, the expert's takeover success, rows
+added and the seconds of each part; then per block the mean and standard error over seeds for the SFT student
+(round 0) and the last round's student, the paired gain, and with `--constrained` both students' TSR under
+constrained decoding.
+
+With `--stage rl` (default recipe `recipes/medium.yaml`; when `rl.init` is `onpolicy`, RL starts from the on-policy
+student, made under OUT/onpolicy): the upstream stages (cached under OUT), then for each
 seed a GiGPO run and a GRPO run from the same SFT checkpoint with the same rollout budget (same iterations,
 tasks and group size; only the advantage differs), and prints the test TSR/GCR of the SFT student and of each
 final policy per seed and averaged, the gains, how far apart the seeds are (`seed_spread`: per-seed gains and the
@@ -53,10 +63,11 @@ def main() -> None:
     ap.add_argument("--stage", choices=("sft", "onpolicy", "rl"), default="sft")
     ap.add_argument("--recipe", default=None, help="default recipes/tiny.yaml (sft), recipes/medium.yaml (rl)")
     ap.add_argument("--out", default=None, help="default outputs/bench-learning[-rl]")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="RL seeds (--stage rl)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                    help="RL seeds (--stage rl); SFT and on-policy seeds (--stage onpolicy)")
     ap.add_argument("--iterations", type=int, default=None, help="override rl.iterations (--stage rl)")
     ap.add_argument("--jobs", type=int, default=1,
-                    help="RL runs at once (--stage rl), each in its own process with cores // jobs torch threads")
+                    help="runs at once (--stage rl, onpolicy), each in its own process with cores // jobs threads")
     ap.add_argument("--skip-train", action="store_true", help="measure an existing OUT/sft/final")
     ap.add_argument("--batch", type=int, default=32, help="episodes stepped together at evaluation")
     ap.add_argument("--max-validation-steps", type=int, default=600)
@@ -174,6 +185,16 @@ def rl_stage(args) -> None:
     else:
         cached.append("sft")
     report["sft_seconds"] = round(time.time() - t1, 1)
+    if recipe.rl.init == "onpolicy":   # RL starts from the on-policy distilled student, as in the main job
+        from pipeline.stages import run_onpolicy_stage
+        t1 = time.time()
+        if (out / "onpolicy" / "manifest.json").is_file() and (out / "onpolicy" / "final" / "config.json").is_file():
+            cached.append("onpolicy")
+        else:
+            run_onpolicy_stage(recipe, dataset, init, out / "onpolicy", show_progress=False)
+        init = out / "onpolicy" / "final"
+        report["onpolicy_seconds"] = round(time.time() - t1, 1)
+    report["rl_init"] = str(init)
     report["cached_stages"] = cached
     runs: dict[str, list[dict]] = {"gigpo": [], "grpo": []}
     plan = [(seed, alg) for seed in args.seeds for alg in ("gigpo", "grpo")]
@@ -245,7 +266,7 @@ def rl_stage(args) -> None:
     first = runs["gigpo"][0]["seconds"] if runs["gigpo"] else 0.0
     # (not with --jobs > 1: a run sharing the cores with others does not time the main job)
     report["main_job_minutes"] = None if cached or jobs > 1 else \
-        round((report["distill_seconds"] + report["sft_seconds"] + first) / 60, 2)
+        round((report["distill_seconds"] + report["sft_seconds"] + report.get("onpolicy_seconds", 0) + first) / 60, 2)
     report["peak_rss_mb"] = _rss_mb()
     report["acceptance"] = {"gigpo_gain_ge_10_points": gain >= 10, "gigpo_over_grpo_ge_5_points": over >= 5,
                             "main_job_le_45_min": None if report["main_job_minutes"] is None

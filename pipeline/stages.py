@@ -397,6 +397,24 @@ def _copy_model(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
+def onpolicy_key(recipe: Recipe, dataset: Path, init: Path, seed: int) -> dict:
+    """What finished rounds depend on: the starting student's weights, the seed, the dataset and the recipe's
+    sections before RL (of RL, only which pool there is); a round made for another key is never reused."""
+    inputs = recipe.model_dump(mode="json", include={"sandbox", "eval", "judge", "distill", "sft", "onpolicy"})
+    inputs["rl_pool"] = recipe.rl.pool_instructions_per_scene
+    return {"init_sha256": _sha_of_model(init), "seed": seed,
+            "inputs_sha256": hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16],
+            "dataset_sha256": _sha_of_dataset(dataset)}
+
+
+def _sha_of_dataset(dataset: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(dataset.rglob("*.parquet")):
+        h.update(str(f.relative_to(dataset)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def run_onpolicy_stage(recipe: Recipe, dataset: Path, init: Path, out: Path, restart: bool = False,
                        show_progress: bool = True, client=None, seed: int | None = None) -> dict:
     """On-policy distillation (`distill.onpolicy`): `onpolicy.rounds` rounds, each one
@@ -426,8 +444,7 @@ def run_onpolicy_stage(recipe: Recipe, dataset: Path, init: Path, out: Path, res
         raise FileNotFoundError(f"{init}: no student there (no config.json) to start on-policy distillation from")
     t0 = time.time()
     out.mkdir(parents=True, exist_ok=True)
-    key = {"init": str(init), "init_sha256": _sha_of_model(init), "seed": seed, "recipe_hash": recipe_hash(recipe),
-           "dataset_manifest": hashlib.sha256((dataset.parent / "manifest.json").read_bytes()).hexdigest()[:16]}
+    key = onpolicy_key(recipe, dataset, init, seed)
     old_key = json.loads((out / "key.json").read_text()) if (out / "key.json").is_file() else None
     if restart or old_key != key:
         for d in out.glob("round-*"):
@@ -529,7 +546,7 @@ def run_onpolicy_stage(recipe: Recipe, dataset: Path, init: Path, out: Path, res
     metrics = {"recipe": recipe.name, "teacher": name, "rounds": rounds, "rows": len(rows), "final": str(out / "final"),
                "init": str(init), "seconds": round(time.time() - t0, 1)}
     write_json(out / "metrics.json", metrics)
-    write_json(out / "manifest.json", {"stage": "onpolicy", **key, "rounds": cfg.rounds})
+    write_json(out / "manifest.json", {"stage": "onpolicy", "init": str(init), **key, "rounds": cfg.rounds})
     return metrics
 
 

@@ -39,15 +39,16 @@ def test_every_stage_runs_and_the_run_ends_with_a_table(main_job):
     folder, r = main_job
     out = folder / "outputs" / "ci"
     assert (out / "distill" / "dataset" / "README.md").is_file() and (out / "sft" / "final").is_dir()
+    assert (out / "onpolicy" / "final").is_dir()
     summary = json.loads((out / "rl" / "gigpo" / "metrics.json").read_text())
     assert summary["iterations"] == 2
     table = r.stdout
     assert "what each stage did" in table and "TSR before RL -> after RL" in table
-    for stage in ("distill", "sft", "rl (gigpo)"):
+    for stage in ("distill", "sft", "onpolicy", "rl (gigpo)"):
         assert stage in table
     before, after = summary["initial_eval"]["all"]["tsr"], summary["final_eval"]["all"]["tsr"]
     assert f"{before:.4f}" in table and f"{after:.4f}" in table
-    assert "outputs/ci/sft/final" in table and "curves.png" in table
+    assert "outputs/ci/onpolicy/final" in table and "curves.png" in table
 
 
 def test_raw_logs_go_to_files_not_the_terminal(main_job):
@@ -56,11 +57,12 @@ def test_raw_logs_go_to_files_not_the_terminal(main_job):
     sft_log = (out / "sft" / "log.txt").read_text()
     assert "assistant-only step" in sft_log and '"loss"' in sft_log   # the trainer's records, in the file
     assert (out / "distill" / "log.txt").is_file() and (out / "rl" / "gigpo" / "log.txt").is_file()
+    assert (out / "onpolicy" / "log.txt").is_file()
     terminal = r.stdout + r.stderr
     assert "{'loss'" not in terminal and '"loss":' not in terminal and "'eval_loss'" not in terminal
-    # one bar per stage (distill, sft, rl): a bar redraws itself with carriage returns on its own line
+    # one bar per stage (distill, sft, onpolicy, rl): a bar redraws itself with carriage returns on its own line
     bars = [ln for ln in r.stderr.split("\n") if "%|" in ln]
-    assert len(bars) == 3 and [b.rsplit("\r", 1)[-1].split(":")[0] for b in bars] == ["distill", "sft", "rl"], bars
+    assert [b.rsplit("\r", 1)[-1].split(":")[0] for b in bars] == ["distill", "sft", "onpolicy", "rl"], bars
 
 
 def test_the_stages_before_rl_leave_rl_unchanged(main_job):

@@ -253,7 +253,7 @@ def test_other_inputs_discard_the_finished_rounds(stage, tmp_path):
     folder, _ = stage
     out = folder / "outputs" / "ci" / "onpolicy"
     key = json.loads((out / "key.json").read_text())
-    assert key["init_sha256"] and key["recipe_hash"]
+    assert key["init_sha256"] and key["inputs_sha256"]
     _recipe(folder, tasks_per_round=4, rounds=1, beta=0.0)
     r = _cli(folder, "onpolicy", "op.yaml", "--quiet", "--out", "outputs/ci/onpolicy")
     assert r.returncode == 0, r.stderr[-4000:]
