@@ -14,6 +14,7 @@ whether the whole run stayed within --budget-minutes (default 10). Everything is
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import sys
@@ -41,7 +42,8 @@ def recipe_dict(small: bool) -> dict:
                 "max_steps": 10 if small else -1, "eval_steps": 10**6, "save_steps": 10**6, "logging_steps": 10},
         "onpolicy": {"rounds": 1, "tasks": "both", "tasks_per_round": 8 if small else 128, "teacher_rows": 200 if small
                      else 2000, "epochs": 1.0, "lr": 3e-4, "takeover_episodes": 4 if small else 32,
-                     "batch_size": 8 if small else 64, "max_new_tokens": 32 if small else 96},
+                     "batch_size": 8 if small else 64, "max_new_tokens": 32 if small else 96,
+                     "eval_tasks": 6 if small else None, "eval_init": not small},
         "rl": {"init": "onpolicy", "iterations": 2 if small else 4, "tasks_per_iteration": 2 if small else 8,
                "group_size": 2 if small else 8, "max_steps": 4 if small else 14, "max_new_tokens": 16 if small else 24,
                "eval_tasks": 4 if small else None, "eval_every": 2 if small else 4, "eval_pool_tasks": 4 if small else
@@ -79,7 +81,8 @@ def main() -> None:
     os.chdir(out)   # the run writes outputs/gpu-check/ under --out
     t0 = time.time()
     try:
-        summary = run_main_job("gpu-check.yaml", quiet=True)
+        with contextlib.redirect_stdout(sys.stderr):   # the main job's closing tables: stdout is the JSON's
+            summary = run_main_job("gpu-check.yaml", quiet=True)
     finally:
         os.chdir(cwd)
     total = time.time() - t0
