@@ -264,6 +264,19 @@ def training_splits(dataset_dir: str | Path, config: str | Sequence[str], seed: 
     return concatenate_datasets(trains), concatenate_datasets(vals).shuffle(seed=seed)
 
 
+def save_final(model, tok, final: Path) -> None:
+    """Write the student to `final` whole or not at all (a temp folder, then a rename): RL and evaluation take a
+    final/ with config.json as a finished student."""
+    staging = final.parent / f".{final.name}.tmp"
+    if staging.exists():
+        shutil.rmtree(staging)
+    model.save_pretrained(staging)
+    tok.save_pretrained(staging)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staging, final)
+
+
 def run_sft(cfg: SFTSection, dataset_dir: str | Path, out: str | Path, seed: int = 0, show_progress: bool = True,
             callbacks=None, config: str | Sequence[str] = "step", bar: StageBar | None = None,
             init: str | Path | None = None, rows_per_config: dict[str, int] | None = None) -> dict:
@@ -340,12 +353,7 @@ def run_sft(cfg: SFTSection, dataset_dir: str | Path, out: str | Path, seed: int
     model = trainer.model
     if peft_cfg is not None:
         model = model.merge_and_unload()  # a plain checkpoint: eval and RL load it like any model
-    staging = out / ".final.tmp"   # whole or not at all: RL takes a final/ with config.json as a finished student
-    if staging.exists():
-        shutil.rmtree(staging)
-    model.save_pretrained(staging)
-    tok.save_pretrained(staging)
-    os.replace(staging, final)
+    save_final(model, tok, final)
     metrics = {"train_samples": len(train), "eval_samples": len(val),
                "format": config if isinstance(config, str) else "+".join(config), "params": n_params(model),
                "init": str(init) if init is not None else None,
@@ -443,14 +451,8 @@ def run_gkd(cfg: SFTSection, dataset_dir: str | Path, out: str | Path, init: str
     t0 = time.time()
     result = trainer.train(resume_from_checkpoint=True if resume else None)
     train_s = time.time() - t0
-    staging, final = out / ".final.tmp", out / "final"
-    if staging.exists():
-        shutil.rmtree(staging)
-    trainer.model.save_pretrained(staging)
-    tok.save_pretrained(staging)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(staging, final)
+    final = out / "final"
+    save_final(trainer.model, tok, final)
     metrics = {"loss": "gkd", "lmbda": lmbda, "beta": beta, "train_samples": len(train), "eval_samples": len(val),
                "steps": trainer.state.global_step, "train_seconds": round(train_s, 1),
                "train_loss": result.training_loss, "eval_loss": None, "params": n_params(trainer.model),
