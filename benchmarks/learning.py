@@ -195,6 +195,10 @@ def rl_stage(args) -> None:
         init = out / "onpolicy" / "final"
         report["onpolicy_seconds"] = round(time.time() - t1, 1)
     report["rl_init"] = str(init)
+    # every run's start is evaluated (once: runs from one checkpoint share the cached evaluation)
+    from rl.config import GiGPOConfig
+    recipe = recipe.model_copy(update={"rl": GiGPOConfig.model_validate({**recipe.rl.model_dump(),
+                                                                      "eval_start": True})})
     report["cached_stages"] = cached
     runs: dict[str, list[dict]] = {"gigpo": [], "grpo": []}
     plan = [(seed, alg) for seed in args.seeds for alg in ("gigpo", "grpo")]
@@ -205,7 +209,6 @@ def rl_stage(args) -> None:
         raise SystemExit(f"--jobs must be >= 1, got {args.jobs}")
     jobs = min(args.jobs, len(plan))
     if jobs > 1 and recipe.rl.threads is None:  # share the cores: each run's trainer would take them all
-        from rl.config import GiGPOConfig
         threads = max(1, _cores() // jobs)
         recipe = recipe.model_copy(update={"rl": GiGPOConfig.model_validate({**recipe.rl.model_dump(),
                                                                           "threads": threads})})

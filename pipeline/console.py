@@ -61,7 +61,7 @@ def _minutes(seconds: float | None) -> str:
     return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
 
 
-def print_tables(stages: list[dict], evaluation: dict | None) -> None:
+def print_tables(stages: list[dict], evaluation: dict | None, before_note: str | None = None) -> None:
     """The closing tables: per stage its time, key figures and output; then the test TSR per difficulty (and
     the RL-pool TSR) before and after RL."""
     from rich.console import Console
@@ -85,5 +85,7 @@ def print_tables(stages: list[dict], evaluation: dict | None) -> None:
         ev.add_column("before", justify="right")
         ev.add_column("after", justify="right")
         for name, (n, before, after) in evaluation.items():
-            ev.add_row(name, str(n), f"{before:.4f}", f"{after:.4f}")
+            ev.add_row(name, str(n), "—" if before is None else f"{before:.4f}", f"{after:.4f}")
         console.print(ev)
+        if before_note:   # where "before" comes from when RL did not evaluate its start
+            console.print(f"before RL: {before_note}")

@@ -148,14 +148,28 @@ def _wait_for(init: Path) -> None:
         time.sleep(2)
 
 
-def _evaluation_rows(summary: dict) -> dict:
-    first, last = summary.get("initial_eval") or {}, summary.get("final_eval") or {}
+def _evaluation_rows(summary: dict, start: dict | None = None) -> dict:
+    """Per block: (episodes, TSR before RL, TSR after RL). Before RL is RL's own evaluation of its start or, with
+    `rl.eval_start: false`, `start` (the on-policy stage's last evaluation of the same student) where it played
+    the same number of episodes; None where neither measured it."""
+    first, last = summary.get("initial_eval") or start or {}, summary.get("final_eval") or {}
     out = {}
     for block in ("easy", "medium", "hard", "all", "seen", "compositional", "pool"):
-        if block in first and block in last:
+        if block in last:
             name = {"all": "test, all", "pool": "RL pool sample"}.get(block, f"test, {block}")
-            out[name] = (last[block]["episodes"], first[block]["tsr"], last[block]["tsr"])
+            same = block in first and first[block]["episodes"] == last[block]["episodes"]
+            out[name] = (last[block]["episodes"], first[block]["tsr"] if same else None, last[block]["tsr"])
     return out
+
+
+def _onpolicy_last_eval(recipe: Recipe, init: Path) -> dict | None:
+    """The test figures of the on-policy stage's last round when RL starts from its student and both evaluated
+    the whole test split."""
+    if init.parent != Path("outputs") / recipe.name / "onpolicy" or recipe.onpolicy.eval_tasks is not None \
+            or recipe.rl.eval_tasks is not None:
+        return None
+    rounds = _read(init.parent / "metrics.json").get("rounds") or []
+    return rounds[-1].get("test") if rounds else None
 
 
 def run_main_job(recipe_path: str | Path, init: str | Path | None = None, algorithm: str | None = None,
@@ -196,5 +210,7 @@ def run_main_job(recipe_path: str | Path, init: str | Path | None = None, algori
                                 f"peak memory {summary['peak_rss_mb'] / 1024:.1f} GB; curves in "
                                 f"{out / 'curves.png'}",
                      "output": summary["final"]})
-        print_tables(rows, _evaluation_rows(summary))
+        start = None if summary.get("initial_eval") else _onpolicy_last_eval(recipe, init)
+        print_tables(rows, _evaluation_rows(summary, start),
+                     before_note="the on-policy stage's last evaluation (rl.eval_start: false)" if start else None)
     return summary

@@ -91,6 +91,8 @@ class GiGPOConfig(_Strict):
         save_every: iterations between checkpoints.
         eval_every: iterations between evaluations on the test split (0: none, also none at the start and
             end); the starting checkpoint's evaluation is cached beside it.
+        eval_start: also evaluate the starting checkpoint (false: its figures are known, as when RL starts from
+            the on-policy student, whose last round was evaluated on the test split).
         eval_tasks: test tasks per evaluation (default: all).
         eval_pool_tasks: also play this many RL-pool tasks greedily at each evaluation (a fixed sample: the
             distribution RL practises on; a rise there and none on the test split means RL learned what does not
@@ -132,6 +134,7 @@ class GiGPOConfig(_Strict):
     micro_batch_rows: int = Field(default=32, ge=1)
     save_every: int = Field(default=10, ge=1)
     eval_every: int = Field(default=10, ge=0)
+    eval_start: bool = True
     eval_tasks: int | None = Field(default=None, ge=1)
     eval_pool_tasks: int = Field(default=0, ge=0)
     eval_batch: int = Field(default=32, ge=1)

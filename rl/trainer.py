@@ -622,7 +622,7 @@ class GiGPOTrainer:
         bar = self.bar or StageBar("rl", enabled=self.show_progress and acc.is_main_process)
         bar.phase(cfg.algorithm, cfg.iterations, unit="it")
         bar.update(self.start_iteration)
-        if self.start_iteration == 0 and cfg.eval_every:
+        if self.start_iteration == 0 and cfg.eval_every and cfg.eval_start:
             bar.postfix("evaluating the start")
             self.log_eval(self.evaluate(0))
         for it in range(self.start_iteration, cfg.iterations):

@@ -75,3 +75,22 @@ def test_the_stages_before_rl_leave_rl_unchanged(main_job):
     a = _weights(folder / "outputs" / "ci" / "rl" / "gigpo" / "final")
     b = _weights(folder / "outputs" / "ci" / "rl" / "again" / "final")
     assert all(a[k].equal(b[k]) for k in a)
+
+
+def test_the_table_takes_before_rl_from_the_onpolicy_stage_only_where_it_played_the_same_episodes(capsys):
+    """`rl.eval_start: false` (medium): RL does not evaluate its start again; the closing table's "before" is the
+    on-policy stage's last evaluation of the same student, block by block, and "—" where it has none."""
+    from pipeline.console import print_tables
+    from pipeline.main_job import _evaluation_rows
+    ev = lambda n, t: {"episodes": n, "tsr": t}  # noqa: E731
+    summary = {"initial_eval": None, "final_eval": {"all": ev(338, 0.6775), "hard": ev(57, 0.4912),
+                                                    "pool": ev(96, 0.6875)}}
+    start = {"all": ev(338, 0.6509), "hard": ev(56, 0.45)}   # "hard": another number of episodes
+    rows = _evaluation_rows(summary, start)
+    assert rows == {"test, hard": (57, None, 0.4912), "test, all": (338, 0.6509, 0.6775),
+                    "RL pool sample": (96, None, 0.6875)}
+    with_start = _evaluation_rows({**summary, "initial_eval": {"all": ev(338, 0.64)}}, start)
+    assert with_start["test, all"] == (338, 0.64, 0.6775)   # RL's own evaluation of its start comes first
+    print_tables([], rows, before_note="the on-policy stage's last evaluation")
+    out = capsys.readouterr().out
+    assert "0.6509" in out and "—" in out and "before RL: the on-policy stage's last evaluation" in out

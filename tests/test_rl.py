@@ -366,6 +366,17 @@ def test_the_starting_checkpoint_is_evaluated_once_per_test_split(ci_setup, tmp_
     assert a["final_eval"]["iteration"] == 1 and len(list(init.glob("rl_initial_eval_*.json"))) == 1
 
 
+def test_eval_start_false_skips_only_the_evaluation_of_the_start(ci_setup, tmp_path):
+    from pipeline.stages import make_rl_trainer
+    recipe, final = ci_setup
+    r = _small_rl(recipe, iterations=1, eval_every=1, eval_tasks=1, save_every=1, eval_start=False)
+    s = make_rl_trainer(r, tmp_path / "a", final, show_progress=False).train()
+    evals = [json.loads(ln) for ln in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
+             if '"eval"' in ln]
+    assert s["initial_eval"] is None and [e["iteration"] for e in evals] == [1]
+    assert s["final_eval"]["all"]["episodes"] == 1
+
+
 def test_evaluation_splits_seen_and_compositional_tasks_and_plays_a_fixed_pool_sample(ci_setup, tmp_path):
     from pipeline.recipe import SandboxSection
     from pipeline.stages import build_tasks, make_rl_trainer
