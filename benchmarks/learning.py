@@ -196,9 +196,7 @@ def rl_stage(args) -> None:
         report["onpolicy_seconds"] = round(time.time() - t1, 1)
     report["rl_init"] = str(init)
     # every run's start is evaluated (once: runs from one checkpoint share the cached evaluation)
-    from rl.config import GiGPOConfig
-    recipe = recipe.model_copy(update={"rl": GiGPOConfig.model_validate({**recipe.rl.model_dump(),
-                                                                      "eval_start": True})})
+    recipe = _override(recipe, "rl", eval_start=True)
     report["cached_stages"] = cached
     runs: dict[str, list[dict]] = {"gigpo": [], "grpo": []}
     plan = [(seed, alg) for seed in args.seeds for alg in ("gigpo", "grpo")]
@@ -210,8 +208,7 @@ def rl_stage(args) -> None:
     jobs = min(args.jobs, len(plan))
     if jobs > 1 and recipe.rl.threads is None:  # share the cores: each run's trainer would take them all
         threads = max(1, _cores() // jobs)
-        recipe = recipe.model_copy(update={"rl": GiGPOConfig.model_validate({**recipe.rl.model_dump(),
-                                                                          "threads": threads})})
+        recipe = _override(recipe, "rl", threads=threads)
     report["jobs"], report["torch_threads_per_run"] = jobs, recipe.rl.threads or _cores()
     call = [(recipe, out / "rl" / f"{alg}-seed{seed}", init, alg, seed, args.iterations) for seed, alg in plan]
     if jobs == 1:
@@ -234,8 +231,8 @@ def rl_stage(args) -> None:
         return round(sum(vals) / len(vals), 4) if vals else float("nan")
 
     # "start": the RL runs' common starting student (rl.init: the SFT or the on-policy distilled student)
-    sft_tsr = mean("gigpo", "initial")
-    report["test_tsr"] = {"start": sft_tsr, "gigpo": mean("gigpo", "final"), "grpo": mean("grpo", "final")}
+    start_tsr = mean("gigpo", "initial")
+    report["test_tsr"] = {"start": start_tsr, "gigpo": mean("gigpo", "final"), "grpo": mean("grpo", "final")}
     report["test_gcr"] = {"start": mean("gigpo", "initial", "gcr"), "gigpo": mean("gigpo", "final", "gcr"),
                           "grpo": mean("grpo", "final", "gcr")}
     report["test_tsr_by_difficulty"] = {
@@ -255,7 +252,7 @@ def rl_stage(args) -> None:
         report["rl_pool_tsr"] = {"episodes": first_eval["pool"]["episodes"],
                                  "start": mean("gigpo", "initial", "tsr", "pool"),
                                  **{alg: mean(alg, "final", "tsr", "pool") for alg in ("gigpo", "grpo")}}
-    gain = round(100 * (report["test_tsr"]["gigpo"] - sft_tsr), 1)
+    gain = round(100 * (report["test_tsr"]["gigpo"] - start_tsr), 1)
     over = round(100 * (report["test_tsr"]["gigpo"] - report["test_tsr"]["grpo"]), 1)
     report["gigpo_gain_over_start_points"], report["gigpo_over_grpo_points"] = gain, over
     # how far apart the seeds are: per-seed points and the standard error of their mean (n - 1 in the variance);
@@ -263,8 +260,8 @@ def rl_stage(args) -> None:
     final = {alg: {r["seed"]: r["final"]["all"]["tsr"] for r in runs[alg] if r["final"]} for alg in runs}
     paired = sorted(set(final["gigpo"]) & set(final["grpo"]))
     report["seed_spread"] = {
-        "gigpo_gain_over_start_points": _spread([100 * (t - sft_tsr) for t in final["gigpo"].values()]),
-        "grpo_gain_over_start_points": _spread([100 * (t - sft_tsr) for t in final["grpo"].values()]),
+        "gigpo_gain_over_start_points": _spread([100 * (t - start_tsr) for t in final["gigpo"].values()]),
+        "grpo_gain_over_start_points": _spread([100 * (t - start_tsr) for t in final["grpo"].values()]),
         "gigpo_over_grpo_points_paired": _spread([100 * (final["gigpo"][s] - final["grpo"][s]) for s in paired])}
     # the main job's parts, when this invocation ran them all (nothing cached or resumed)
     first = runs["gigpo"][0]["seconds"] if runs["gigpo"] else 0.0
@@ -290,14 +287,9 @@ def onpolicy_stage(args) -> None:
 
     recipe = load_recipe(args.recipe or ROOT / "recipes" / "medium.yaml")
     if args.bf16 is not None:
-        from sft.train import SFTSection
-        bf16 = {"auto": "auto", "true": True, "false": False}[args.bf16]
-        recipe = recipe.model_copy(update={"sft": SFTSection.model_validate({**recipe.sft.model_dump(),
-                                                                             "bf16": bf16})})
+        recipe = _override(recipe, "sft", bf16={"auto": "auto", "true": True, "false": False}[args.bf16])
     # the SFT-only baseline is round 0: each seed's SFT student evaluated on the same test split
-    from distill.onpolicy import OnPolicyConfig
-    recipe = recipe.model_copy(update={"onpolicy": OnPolicyConfig.model_validate({**recipe.onpolicy.model_dump(),
-                                                                                 "eval_init": True})})
+    recipe = _override(recipe, "onpolicy", eval_init=True)
     out = Path(args.out or ROOT / "outputs" / "bench-learning-onpolicy")
     report: dict = {"benchmark": "learning", "stage": "onpolicy", "recipe": recipe.name, "machine_cores": _cores(),
                     "cpu": _cpu(), "seeds": args.seeds, "sft_bf16": recipe.sft.bf16,
@@ -407,6 +399,12 @@ def _rl_run(job: tuple) -> dict:
             "initial": _tsr_gcr(s["initial_eval"]), "final": _tsr_gcr(s["final_eval"]),
             "train_success_first": s["train_success_first"], "train_success_last": s["train_success_last"],
             "peak_rss_mb": s["peak_rss_mb"]}
+
+
+def _override(recipe, section: str, **values):
+    """The recipe with some fields of one section replaced, validated as the recipe file's would be."""
+    old = getattr(recipe, section)
+    return recipe.model_copy(update={section: type(old).model_validate({**old.model_dump(), **values})})
 
 
 def _spread(points: list[float]) -> dict:
