@@ -73,6 +73,9 @@ def main() -> None:
     ap.add_argument("--max-validation-steps", type=int, default=600)
     ap.add_argument("--bf16", choices=("auto", "true", "false"), default=None,
                     help="--stage onpolicy: override sft.bf16 (SFT and the on-policy rounds)")
+    ap.add_argument("--student", nargs="+", default=None, metavar="FIELD=VALUE",
+                    help="--stage onpolicy: override sft.student fields, e.g. hidden_size=256 num_layers=6 "
+                         "intermediate_size=768 (the student-size table; use its own --out)")
     ap.add_argument("--constrained", action="store_true",
                     help="--stage onpolicy: also evaluate the SFT and the last student with constrained decoding")
     args = ap.parse_args()
@@ -288,11 +291,14 @@ def onpolicy_stage(args) -> None:
     recipe = load_recipe(args.recipe or ROOT / "recipes" / "medium.yaml")
     if args.bf16 is not None:
         recipe = _override(recipe, "sft", bf16={"auto": "auto", "true": True, "false": False}[args.bf16])
+    if args.student:
+        recipe = _override(recipe, "sft", student={**recipe.sft.student.model_dump(), **_fields(args.student)})
     # the SFT-only baseline is round 0: each seed's SFT student evaluated on the same test split
     recipe = _override(recipe, "onpolicy", eval_init=True)
     out = Path(args.out or ROOT / "outputs" / "bench-learning-onpolicy")
     report: dict = {"benchmark": "learning", "stage": "onpolicy", "recipe": recipe.name, "machine_cores": _cores(),
                     "cpu": _cpu(), "seeds": args.seeds, "sft_bf16": recipe.sft.bf16,
+                    "student": recipe.sft.student.model_dump(mode="json"),
                     "onpolicy": recipe.onpolicy.model_dump(mode="json")}
     dataset = out / "distill" / "dataset"
     if not (out / "distill" / "manifest.json").is_file():
@@ -342,6 +348,7 @@ def _onpolicy_chain(job: tuple) -> dict:
     recipe, dataset, out, seed, threads, constrained = job
     torch.set_num_threads(threads)
     sft_dir = out / f"sft-seed{seed}"
+    _same_sft_section(sft_dir, recipe.sft.model_dump(mode="json"))
     t0 = time.time()
     if not ((sft_dir / "manifest.json").is_file() and (sft_dir / "final" / "config.json").is_file()):
         run_sft(recipe.sft, dataset, sft_dir, seed=seed, show_progress=False, config=recipe.distill.sample_format)
@@ -350,7 +357,8 @@ def _onpolicy_chain(job: tuple) -> dict:
     t1 = time.time()
     m = run_onpolicy_stage(recipe, dataset, sft_dir / "final", out / f"onpolicy-seed{seed}", seed=seed,
                            show_progress=False)
-    res = {"seed": seed, "sft_seconds": round(sft_s, 1), "sft_bf16": sft_m.get("bf16"),
+    res = {"seed": seed, "student_params": sft_m.get("params"), "sft_seconds": round(sft_s, 1),
+           "sft_bf16": sft_m.get("bf16"),
            "sft_train_seconds": sft_m.get("train_seconds"), "onpolicy_seconds": round(time.time() - t1, 1),
            "rounds": [{"round": r["round"], "test": r["test"],
                        **({"agreement": r["collect"]["agreement"], "student_tsr_on_its_tasks":
@@ -369,6 +377,19 @@ def _onpolicy_chain(job: tuple) -> dict:
             cm, _ = evaluate(test, str(folder), seed=recipe.eval.seed, batch_size=32, constrained=True)
             res["constrained_tsr"][name] = {d: cm[d]["tsr"] for d in ("easy", "medium", "hard", "all") if d in cm}
     return res
+
+
+def _same_sft_section(sft_dir: Path, section: dict) -> None:
+    """Refuse to reuse (or resume) an SFT folder trained with another `sft` section (another student size or
+    precision under the same --out): its student would be reported as this one."""
+    manifest = sft_dir / "manifest.json"
+    if not manifest.is_file():
+        return
+    old = json.loads(manifest.read_text()).get("config", {})
+    diff = sorted(k for k in set(old) | set(section) if old.get(k) != section.get(k))
+    if diff:
+        raise SystemExit(f"{manifest}: trained with another sft section (fields {', '.join(diff)} differ); "
+                         "give this variant its own --out")
 
 
 def _cpu() -> str:
@@ -405,6 +426,20 @@ def _override(recipe, section: str, **values):
     """The recipe with some fields of one section replaced, validated as the recipe file's would be."""
     old = getattr(recipe, section)
     return recipe.model_copy(update={section: type(old).model_validate({**old.model_dump(), **values})})
+
+
+def _fields(pairs: list[str]) -> dict:
+    """`FIELD=VALUE` words as a dict, each value read as JSON where it parses (256, true) and as text otherwise."""
+    out = {}
+    for pair in pairs:
+        field, sep, value = pair.partition("=")
+        if not sep or not field:
+            raise SystemExit(f"--student {pair!r}: expected FIELD=VALUE, e.g. hidden_size=256")
+        try:
+            out[field] = json.loads(value)
+        except json.JSONDecodeError:
+            out[field] = value
+    return out
 
 
 def _spread(points: list[float]) -> dict:

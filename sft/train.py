@@ -367,7 +367,8 @@ def run_sft(cfg: SFTSection, dataset_dir: str | Path, out: str | Path, seed: int
 class PromptCompletionCollator:
     """GKD batches from chat rows: the whole row (`input_ids`, `attention_mask`, `labels` on the completion only)
     and its prompt with the generation prompt (`prompts`, `prompt_attention_mask`, for the student's own
-    completions), all left-padded. Prompt and completion meet at the chat template's special tokens, so the
+    completions), all left-padded. The row's `tools` are rendered as at play (`TransformersClient.render_prompt`),
+    so a template that lists the tools (a Hub model's) trains on the prompt the student will see. Prompt and completion meet at the chat template's special tokens, so the
     prompt's tokens are a prefix of the row's (checked). TRL's `DataCollatorForChatML` does the same through byte
     offsets, which a tiny student's tokenizer (byte-level, with id tokens) does not give monotonically."""
 
@@ -379,9 +380,9 @@ class PromptCompletionCollator:
         from torch.nn.utils.rnn import pad_sequence
         rows, prompts, labels = [], [], []
         for ex in examples:
-            msgs = ex["messages"]
-            prompt = self.tok.apply_chat_template(msgs[:-1], add_generation_prompt=True, tokenize=False)
-            full = self.tok.apply_chat_template(msgs, tokenize=False)
+            msgs, tools = ex["messages"], ex.get("tools") or None   # the tool schemas, as the student sees them
+            prompt = self.tok.apply_chat_template(msgs[:-1], tools=tools, add_generation_prompt=True, tokenize=False)
+            full = self.tok.apply_chat_template(msgs, tools=tools, tokenize=False)
             p_ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
             f_ids = self.tok(full, add_special_tokens=False)["input_ids"]
             if f_ids[: len(p_ids)] != p_ids:

@@ -294,3 +294,23 @@ def test_gkd_trains_a_student_on_collected_prompts_against_a_teacher_sharing_its
     with pytest.raises(ValueError, match="does not share the student's tokenizer"):
         run_gkd(cfg, tmp_path / "data", tmp_path / "out2", init=tmp_path / "student", teacher=tmp_path / "teacher",
                 config="onpolicy")
+
+
+def test_gkd_batches_carry_the_prompt_the_student_sees_at_play_tools_included(built_tasks):
+    """A Hub model's template lists the tools: GKD's prompts must be rendered with the row's `tools`, exactly as
+    `TransformersClient.render_prompt` renders them when the student plays (they were once left out)."""
+    from agent.clients import TransformersClient
+    from sft.student import StudentConfig, build_tiny_student, corpus_texts, train_tokenizer
+    from sft.train import PromptCompletionCollator
+    rows = collect(SandboxEnv, noisy_student(), ExpertLabels(), built_tasks[:2], seed=0, round_no=1).rows["train"]
+    tok = train_tokenizer(corpus_texts(rows), vocab_size=400)
+    tok.chat_template = ("{%- if tools %}<|user|>Tools: {{ tools | map(attribute='function') | "
+                         "map(attribute='name') | join(', ') }}<|end|>{% endif -%}" + tok.chat_template)
+    small = StudentConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
+    client = TransformersClient(build_tiny_student(small, tok, 0), tok, device="cpu")
+    batch = PromptCompletionCollator(tok, max_length=4096)(rows[:3])
+    for i, row in enumerate(rows[:3]):
+        at_play = client.render_prompt(row["messages"][:-1], row["tools"])
+        assert "Tools: navigate, " in at_play
+        ids = batch["prompts"][i][batch["prompt_attention_mask"][i].bool()].tolist()
+        assert ids == tok(at_play, add_special_tokens=False)["input_ids"]
