@@ -368,9 +368,10 @@ class PromptCompletionCollator:
     """GKD batches from chat rows: the whole row (`input_ids`, `attention_mask`, `labels` on the completion only)
     and its prompt with the generation prompt (`prompts`, `prompt_attention_mask`, for the student's own
     completions), all left-padded. The row's `tools` are rendered as at play (`TransformersClient.render_prompt`),
-    so a template that lists the tools (a Hub model's) trains on the prompt the student will see. Prompt and completion meet at the chat template's special tokens, so the
-    prompt's tokens are a prefix of the row's (checked). TRL's `DataCollatorForChatML` does the same through byte
-    offsets, which a tiny student's tokenizer (byte-level, with id tokens) does not give monotonically."""
+    so a template that lists the tools (a Hub model's) trains on the prompt the student will see. Prompt and
+    completion meet at the chat template's special tokens, so the prompt's tokens are a prefix of the row's
+    (checked). TRL's `DataCollatorForChatML` does the same through byte offsets, which a tiny student's tokenizer
+    (byte-level, with id tokens) does not give monotonically."""
 
     def __init__(self, tokenizer, max_length: int):
         self.tok, self.max_length = tokenizer, max_length
