@@ -55,6 +55,7 @@ def main() -> None:
     if not (out / "distill" / "manifest.json").is_file():
         run_distill_stage(recipe, out / "distill", show_progress=False)
     rows = load_sft_dataset(out / "distill" / "dataset", recipe.distill.sample_format)["train"]
+    lm_steps, sft_steps = _recipe_steps(recipe, len(rows))
     rows = rows.shuffle(seed=0).select(range(min(len(rows), 2000)))
     base = recipe.sft.student
     tok = train_tokenizer(corpus_texts(rows), base.vocab_size, base.reasoning, base.name_tokens, base.skip_lines,
@@ -94,7 +95,6 @@ def main() -> None:
             new = model.generate(**enc, max_new_tokens=24, min_new_tokens=24, do_sample=False)
         gen[name] = (new.shape[1] - enc["input_ids"].shape[1]) * new.shape[0] / (time.perf_counter() - t0)
 
-    lm_steps, sft_steps = _recipe_steps(recipe, out / "distill" / "dataset")
     report = {"benchmark": "student_size", "recipe": recipe.name, "cpu": _cpu(), "torch_threads":
               torch.get_num_threads(), "bf16": bf16, "batch_size": bs,
               "batch_tokens_mean": round(statistics.fmean(int(b["attention_mask"].sum()) for b in batches[1:]), 1),
@@ -128,13 +128,11 @@ def _batch(tok, ids: list[list[int]], width: int) -> dict:
     return {"input_ids": input_ids, "attention_mask": mask, "labels": input_ids.masked_fill(mask == 0, -100)}
 
 
-def _recipe_steps(recipe, dataset: Path) -> tuple[int, int]:
-    """The recipe's SFT optimizer steps: epochs x rows / batch size for the language-modelling phase (every token
-    of the same rows) and the assistant-only phase."""
+def _recipe_steps(recipe, n_rows: int) -> tuple[int, int]:
+    """The recipe's SFT optimizer steps on `n_rows` train rows: epochs x rows / batch size for the
+    language-modelling phase (every token of the same rows) and the assistant-only phase."""
     import math
-    from sft.train import load_sft_dataset
-    n = len(load_sft_dataset(dataset, recipe.distill.sample_format)["train"])
-    per_epoch = math.ceil(n / (recipe.sft.batch_size * recipe.sft.grad_accum))
+    per_epoch = math.ceil(n_rows / (recipe.sft.batch_size * recipe.sft.grad_accum))
     return round(recipe.sft.lm_epochs * per_epoch), round(recipe.sft.epochs * per_epoch)
 
 
