@@ -11,6 +11,7 @@ printed, logged or written.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from distill.card import validate_artifact
@@ -54,7 +55,8 @@ def push_dataset(folder: str | Path, repo: str, private: bool = False, token_env
     pushed = {}
     try:
         for entry in meta.configs:
-            ds = load_dataset(str(folder), entry.config_name)
+            with tempfile.TemporaryDirectory(prefix="embodistill-datasets-") as cache:  # no copy left in ~/.cache
+                ds = load_dataset(str(folder), entry.config_name, cache_dir=cache, keep_in_memory=True)
             ds.push_to_hub(repo, config_name=entry.config_name, token=token, private=private,
                            commit_message=f"embodistill: {entry.config_name} config")
             pushed[entry.config_name] = {split: len(d) for split, d in ds.items()}

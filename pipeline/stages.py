@@ -36,7 +36,7 @@ from sandbox.gym_env import SandboxEnv
 from sandbox.builder import BuildConfig, BuildStats, build_split, compositional_split, target_combos
 from sandbox.scenes import load_scene
 from sandbox.schema import TaskInstance
-from sft.train import run_gkd, run_sft
+from sft.train import load_sft_dataset, run_gkd, run_sft
 
 
 def build_config(recipe: Recipe) -> BuildConfig:
@@ -553,8 +553,8 @@ def run_onpolicy_stage(recipe: Recipe, dataset: Path, init: Path, out: Path, res
 def write_onpolicy_dataset(recipe: Recipe, dataset: Path, out: Path, rows: list[dict], validation: set[str],
                            about: dict, rounds: list[dict], last: dict | None) -> dict:
     """OUT: the distilled dataset's configs plus `onpolicy` (every on-policy row so far), with the card."""
-    from datasets import load_dataset
-    base = {c: {s: load_dataset(str(dataset), c, split=s).to_list() for s in SPLITS} for c in CONFIGS}
+    loaded = {c: load_sft_dataset(dataset, c) for c in CONFIGS}
+    base = {c: {s: loaded[c][s].to_list() for s in SPLITS} for c in CONFIGS}
     if not any(x["instruction_id"] in validation for x in rows):
         # no on-policy row comes from a validation instruction yet: hold out a share of the rows' own instructions
         validation = validation_instructions([x["instruction_id"] for x in rows], recipe.distill.validation_fraction,

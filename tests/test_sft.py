@@ -471,3 +471,20 @@ def test_constrained_rows_of_one_batch_each_keep_their_own_ids(tok):
         assert mask[0, first] == 0 and mask[1, first] == float("-inf")
         room = tok(" room_0_1", add_special_tokens=False)["input_ids"][0]
         assert mask[0, room] == 0 and mask[1, room] == 0
+
+
+def test_loading_an_artifact_leaves_no_copy_in_the_datasets_cache(sft_dataset, tok, tmp_path, monkeypatch):
+    """`load_dataset(folder)` alone writes an Arrow copy of every artifact it reads to the user's cache, forever;
+    ours reads through a temporary cache, and the rows stay usable (TRL maps them) once it is gone."""
+    import datasets
+    from trl import SFTConfig, SFTTrainer
+    cache = tmp_path / "hf-datasets-cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    ds = load_sft_dataset(sft_dataset, "step")
+    assert not cache.exists() or not any(cache.rglob("*.arrow"))
+    assert len(ds["train"]) > 40 and not ds["train"].cache_files
+    args = SFTConfig(output_dir=str(tmp_path / "trl"), assistant_only_loss=True, max_length=2048, report_to=[],
+                     use_cpu=True, max_steps=1)
+    trainer = SFTTrainer(model=build_tiny_student(SMALL, tok), args=args, train_dataset=ds["train"].select(range(8)),
+                         processing_class=tok)
+    assert len(trainer.train_dataset) == 8 and "input_ids" in trainer.train_dataset.column_names
