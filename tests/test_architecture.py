@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("sandbox", "agent", "reward_engine", "distill", "sft", "rl", "evaluation", "pipeline")
+PACKAGES = ("sandbox", "textworld_env", "agent", "reward_engine", "distill", "sft", "rl", "evaluation", "pipeline")
 # lint-imports on the pyproject.toml of the working directory, whose packages come first on the path
 LINT = ("import sys; sys.path.insert(0, '.'); from importlinter.cli import lint_imports; "
         "sys.exit(lint_imports(no_cache=True, no_logo=True))")
