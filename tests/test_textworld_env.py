@@ -105,3 +105,21 @@ def test_the_state_key_is_the_game_state(games):
     assert info["state_key"] != start
     _, _, _, _, info = env.step({"name": "navigate", "arguments": {"target": "shower"}})
     assert info["state_key"] == start
+
+
+def test_the_one_episode_loop_plays_textworld_with_the_shared_prompt_and_parser(games):
+    """`agent.episode.play` runs TextWorld games as it runs the sandbox: the oracle answers as a model would
+    (text with a tool call, parsed by the shared parser), every step's prompt is the shared builder's."""
+    from agent.episode import play
+    from agent.policies import ScriptedPolicy
+    from textworld_env.env import OracleAgent
+    policy = ScriptedPolicy(lambda env, seed: OracleAgent(env), "oracle", as_text=True)
+    starts = [({"task": {"id": name, "game": str(path)}}, i) for i, (name, path) in enumerate(sorted(games.items()))]
+    played = play(TextWorldEnv, policy, starts)
+    assert [t.success for t in played.trajectories] == [True] * len(games)
+    for traj in played.trajectories:
+        first = traj.turns[0]
+        prompt = first.prompt[-1]["content"] if isinstance(first.prompt, list) else str(first.prompt)
+        assert "Task: " + traj.instruction in prompt and "At: " in prompt
+        assert all(t.error is None for t in traj.turns)
+        assert len(traj.turns) <= traj.optimal_steps + 1

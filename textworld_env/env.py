@@ -138,7 +138,8 @@ class TextWorldEnv(gym.Env):
             if self._game is not None:
                 self._game.close()
             infos = textworld.EnvInfos(facts=True, won=True, lost=True, score=True, max_score=True, objective=True,
-                                       admissible_commands=True, feedback=True, extras=["walkthrough"])
+                                       admissible_commands=True, policy_commands=True, feedback=True,
+                                       extras=["walkthrough"])
             self._game, self._path = textworld.start(str(path), request_infos=infos), path
         self._state = self._game.reset()
         walkthrough = self._state.get("extra.walkthrough") or []
@@ -173,6 +174,11 @@ class TextWorldEnv(gym.Env):
 
     def render(self):
         return self._last_obs
+
+    def oracle_commands(self) -> list[str]:
+        """The game's own shortest plan from the current state (`policy_commands`): the oracle's, which may read
+        the true state; never a teacher's source."""
+        return list(self._state.get("policy_commands") or [])
 
     def close(self):
         if self._game is not None:
@@ -363,3 +369,23 @@ def call_for_command(command: str, belief: Belief) -> dict | None:
         target = rest.split(" with ")[0]
         return {"name": "operate", "arguments": {"device": ids.get(target, slug(target)), "action": verb}}
     return None
+
+
+class OracleAgent:
+    """Plays the game's own plan from wherever the episode is (`TextWorldEnv.oracle_commands`), through the
+    skills: the oracle baseline, and the proof that a game is solvable in its budget. For
+    `agent.policies.ScriptedPolicy(lambda env, seed: OracleAgent(env), "oracle")`."""
+
+    def __init__(self, env: TextWorldEnv):
+        self.env = env
+
+    def act(self, info: dict) -> tuple[str, dict]:
+        for command in self.env.oracle_commands():
+            call = call_for_command(command, self.env.belief)
+            if call is not None and not (call["name"] == "open"
+                                         and self.env.belief.doors.get(call["arguments"]["target"]) == "open"):
+                return f"The plan says: {command}.", call
+        return "Nothing is left to do.", {"name": "finish", "arguments": {"summary": "done"}}
+
+    def observe(self, call, info, observation) -> None:
+        pass
