@@ -123,3 +123,41 @@ def test_the_one_episode_loop_plays_textworld_with_the_shared_prompt_and_parser(
         assert "Task: " + traj.instruction in prompt and "At: " in prompt
         assert all(t.error is None for t in traj.turns)
         assert len(traj.turns) <= traj.optimal_steps + 1
+
+
+def test_the_objective_reads_into_steps():
+    from textworld_env.teacher import Step, goal_steps
+    text = ("Hey, thanks for coming over to the TextWorld today, there is something I need you to do for me. First "
+            "of all, you could, like, look and see that the antique trunk inside the bedroom is opened. Then, recover "
+            "the old key from the antique trunk. Then, make absolutely sure that the wooden door inside the bedroom "
+            "is unlocked. After unlocking the wooden door, open the wooden door in the bedroom. Then, try to head "
+            "east. Having taken the milk, attempt to travel north. That done, rest the milk on the stove inside the "
+            "kitchen. Then, pick up the coin from the floor of the laundromat. And then, lock the safe with the "
+            "latchkey. And if you do that, you're the winner!")
+    assert goal_steps(text) == [Step("open", "antique trunk"), Step("take", "old key", "antique trunk"),
+                                Step("unlock", "wooden door"), Step("open", "wooden door"), Step("go", "east"),
+                                Step("go", "north"), Step("put", "milk", "stove"), Step("take", "coin", "laundromat"),
+                                Step("lock", "safe", "latchkey")]
+    assert goal_steps("The dinner is almost ready! It's only missing a grilled carrot.") == [
+        Step("take", "carrot"), Step("put", "carrot", "stove")]
+    assert goal_steps("") == []
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_the_teacher_wins_from_what_the_agent_saw(games, name):
+    """The teacher reads the objective (or, for a brief one, explores) and never the game's plan: it wins every
+    kind of game here, within the budget."""
+    from agent.episode import play
+    from agent.policies import ScriptedPolicy
+    from textworld_env.teacher import Teacher
+    env_calls = []
+
+    class Watched(TextWorldEnv):
+        def oracle_commands(self):          # the oracle's plan: the teacher must not read it
+            env_calls.append(1)
+            return super().oracle_commands()
+
+    played = play(Watched, ScriptedPolicy(lambda env, seed: Teacher(env), "teacher", as_text=True),
+                  [({"task": {"id": name, "game": str(games[name])}}, 0)])
+    traj = played.trajectories[0]
+    assert traj.success and len(traj.turns) <= 2 * traj.optimal_steps and not env_calls

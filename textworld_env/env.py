@@ -28,7 +28,7 @@ from gymnasium import spaces
 DIRECTIONS = ("north", "south", "east", "west")
 OPPOSITE = {"north": "south", "south": "north", "east": "west", "west": "east"}
 # verbs no other skill covers, taken by `operate(device, action)`
-OPERATE_VERBS = ("eat", "drink", "cook", "chop", "slice", "dice", "prepare")
+OPERATE_VERBS = ("eat", "drink", "cook", "chop", "slice", "dice", "prepare", "lock")
 _HEADER = re.compile(r"-= (.+?) =-")
 
 
@@ -175,6 +175,11 @@ class TextWorldEnv(gym.Env):
     def render(self):
         return self._last_obs
 
+    @property
+    def task_instruction(self) -> str:
+        """The game's objective, as the episode's task shows it."""
+        return self._task.get("instruction", "")
+
     def oracle_commands(self) -> list[str]:
         """The game's own shortest plan from the current state (`policy_commands`): the oracle's, which may read
         the true state; never a teacher's source."""
@@ -301,6 +306,9 @@ class TextWorldEnv(gym.Env):
         b.landmarks[room] = sorted(slug(x) for x in visible if is_landmark(types[x]))
         for x in visible:
             b.things[slug(x)], b.kinds[slug(x)] = (x, room), types[x]
+            if x in opened or x in closed:        # a container's state shows (its locks only when tried)
+                b.doors[slug(x)] = "open" if x in opened else b.doors.get(slug(x)) if b.doors.get(
+                    slug(x)) == "locked" else "closed"
         for n, a in facts:
             if n in ("on", "in") and a[1][0] in visible and (n == "on" or a[1][0] in opened or a[1][0] not in closed):
                 b.things[slug(a[0][0])], b.kinds[slug(a[0][0])] = (a[0][0], slug(a[1][0])), a[0][1]

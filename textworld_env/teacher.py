@@ -1,0 +1,206 @@
+"""The TextWorld teacher: acts on what the agent could know, as the sandbox's expert does.
+
+It reads the objective into steps (`goal_steps`: TextWorld's instruction grammar, `go north`, `take the X from
+the Y`, `rest the X on the Y`, ...) and carries them out through the skills from the agent's map alone (`env.belief`:
+what it saw), exploring the nearest unvisited exit when a thing it needs has not been seen. The game's own plan
+(`policy_commands`) is never read here: that is the oracle's (`textworld_env.env.OracleAgent`).
+
+    from agent.policies import ScriptedPolicy
+    teacher = ScriptedPolicy(lambda env, seed: Teacher(env), "textworld-teacher", as_text=True)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from textworld_env.env import TextWorldEnv, slug
+
+_GO = r"(?:go|head|venture|travel|move|take a trip|walk)"
+_ROOM_SUFFIX = re.compile(r" (?:in|within|inside) the [a-z' -]+$")
+_DONE = re.compile(r"\b(?:you win|you're the winner|you can stop|you are done|the game is yours)\b")
+
+
+@dataclass(frozen=True)
+class Step:
+    verb: str               # go | take | put | insert | drop | open | close | unlock | lock | eat
+    thing: str = ""         # a direction for go, else the name of the object (or door/container)
+    other: str = ""         # where to take it from / put it / the key
+
+
+def _name(text: str) -> str:
+    return _ROOM_SUFFIX.sub("", text.strip(" .!")).strip()
+
+
+def goal_steps(objective: str) -> list[Step]:
+    """The steps a detailed objective lists, in order (an objective that lists none gives []). tw-simple's brief
+    objective ("It's only missing a grilled carrot.") means: take the carrot, put it on the stove."""
+    if m := re.search(r"missing an? grilled (.+?)[.!]", objective.lower()):
+        return [Step("take", m.group(1).strip()), Step("put", m.group(1).strip(), "stove")]
+    steps = []
+    for sentence in re.split(r"(?<=[.!?])\s+", objective.lower()):
+        if _DONE.search(sentence):
+            continue
+        clause = sentence.rsplit(", ", 1)[-1].strip(" .!")   # drop the lead-in ("Having taken the milk, ...")
+        if m := re.search(rf"\b{_GO} (?:through the )?(north|south|east|west)\b", clause):
+            steps.append(Step("go", m.group(1)))
+        elif m := re.search(r"\b(?:take|retrieve|recover|pick up|pick-up|lift) the (.+?)"
+                            r"(?: (?:from|in|that's in) the (?:floor of the )?(.+))?$", clause):
+            steps.append(Step("take", _name(m.group(1)), _name(m.group(2) or "")))
+        elif m := re.search(r"\b(?:place|drop|ditch|throw|toss|deposit) the (.+?) on the floor of the (.+)$", clause):
+            steps.append(Step("drop", _name(m.group(1)), _name(m.group(2))))
+        elif m := re.search(r"\b(?:insert|put|place|deposit) the (.+?) (?:into|inside) the (.+)$", clause):
+            steps.append(Step("insert", _name(m.group(1)), _name(m.group(2))))
+        elif m := re.search(r"\b(?:put|place|sit|rest) the (.+?) (?:on|upon) the (.+)$", clause):
+            steps.append(Step("put", _name(m.group(1)), _name(m.group(2))))
+        elif m := re.search(r"\bunlock the (.+?)(?: with the (.+))?$", clause) or \
+                re.search(r"\bthat the (.+?) is unlocked(?: with the (.+))?$", clause):
+            steps.append(Step("unlock", _name(m.group(1)), _name(m.group(2) or "")))
+        elif m := re.search(r"\block the (.+?)(?: with the (.+))?$", clause) or \
+                re.search(r"\bthat the (.+?) is locked(?: with the (.+))?$", clause):
+            steps.append(Step("lock", _name(m.group(1)), _name(m.group(2) or "")))
+        elif m := re.search(r"\bopen the (.+)$", clause) or \
+                re.search(r"\bthat the (.+?) is (?:opened|open|wide open|ajar)$", clause):
+            steps.append(Step("open", _name(m.group(1))))
+        elif m := re.search(r"\bclose the (.+)$", clause) or re.search(r"\bthat the (.+?) is (?:closed|shut)$", clause):
+            steps.append(Step("close", _name(m.group(1))))
+        elif m := re.search(r"\beat the (.+)$", clause):
+            steps.append(Step("eat", _name(m.group(1))))
+    return steps
+
+
+class Teacher:
+    """Carries out the objective's steps from the agent's map; for `agent.policies.ScriptedPolicy`."""
+
+    def __init__(self, env: TextWorldEnv):
+        self.env = env
+        self.steps: list[Step] | None = None
+        self.done = 0                      # steps carried out
+        self.closing: dict | None = None   # the call that completes the current step, once made
+        self.reading = False               # looking for a note that gives the steps
+        self.tried: set[str] = set()       # containers it has tried to open while exploring
+
+    def observe(self, call, info, observation) -> None:
+        if self.closing is not None and call == self.closing and info.get("error") is None:
+            self.done += 1
+        self.closing = None
+        if self.reading and isinstance(call, dict) and call.get("name") == "inspect" and info.get("error") is None:
+            self.steps, self.reading = goal_steps(observation), False   # the note says what to do
+
+    def act(self, info: dict) -> tuple[str, dict]:
+        if self.steps is None:
+            self.steps = goal_steps(self.env.task_instruction)
+            self.reading = not self.steps        # no steps given: a note may say them (tw-simple, goal none)
+        if self.reading:
+            note = self._id("note")
+            if note is None:
+                return self._explore("a note that says what to do")[:2]
+            go = self._go_to(note)
+            return go[:2] if go else ("A note: I read it.", {"name": "inspect", "arguments": {"target": note}})
+        while self.done < len(self.steps) and not self.env.won:
+            out = self._next(self.steps[self.done])
+            if out is not None:
+                thought, call, closing = out
+                self.closing = call if closing else None
+                return thought, call
+            self.done += 1                 # already so: the next step
+        return "Every step of the task is done.", {"name": "finish", "arguments": {"summary": "done"}}
+
+    # ------------------------------------------------------------------ one step
+
+    def _id(self, name: str) -> str | None:
+        """The id of a seen thing called `name` (the instruction's words), or None."""
+        for thing, (seen, _) in self.env.belief.things.items():
+            if seen.lower() == name or slug(seen) == slug(name):
+                return thing
+        return None
+
+    def _here(self, thing: str) -> bool:
+        b = self.env.belief
+        where = b.things[thing][1]
+        return where in ("held", b.place) or where in b.landmarks.get(b.place, [])
+
+    def _explore(self, why: str):
+        """Look where the agent has not: closed containers here, a key here, then the nearest unvisited exit (a
+        locked door on the way is opened with a held key), then closed containers elsewhere."""
+        b = self.env.belief
+        here = b.landmarks.get(b.place, [])
+        for box in here:
+            if b.doors.get(box) == "closed" and box not in self.tried:
+                self.tried.add(box)
+                return f"I have not seen {why} yet; it may be in the {b.things[box][0]}.", \
+                    {"name": "open", "arguments": {"target": box}}, False
+        for thing, (name, where) in b.things.items():
+            if b.kinds.get(thing) == "k" and (where == b.place or where in here):
+                return f"A {name} may open what is locked.", {"name": "pick_up", "arguments": {"object": thing}}, \
+                    False
+        for target in b.unvisited():
+            room, direction = target.rsplit("_", 1)
+            door = b.exits.get(room, {}).get(direction)
+            if b.doors.get(door or "") == "locked" and not any(b.kinds.get(i) == "k" and w == "held"
+                                                                for i, (_, w) in b.things.items()):
+                continue
+            return f"I have not seen {why} yet; I explore {target}.", \
+                {"name": "navigate", "arguments": {"target": target}}, False
+        for thing, (name, where) in b.things.items():
+            if b.doors.get(thing) == "closed" and thing not in self.tried and b.kinds.get(thing) != "d":
+                return f"The {name} is still closed; {why} may be in it.", \
+                    {"name": "navigate", "arguments": {"target": where}}, False
+        return f"I cannot find {why} anywhere I can reach.", {"name": "finish", "arguments": {"summary": why}}, False
+
+    def _go_to(self, thing: str):
+        """The call that brings the agent to a seen thing, or None when it is here."""
+        b = self.env.belief
+        if self._here(thing):
+            return None
+        where = b.things[thing][1] if b.kinds.get(thing) == "d" else thing
+        return f"The {b.things[thing][0]} is elsewhere; I go to it.", \
+            {"name": "navigate", "arguments": {"target": where}}, False
+
+    def _next(self, step: Step):
+        """(thought, call, whether the call completes the step), or None when the step holds already."""
+        b = self.env.belief
+        if step.verb == "go":
+            return f"The task says go {step.thing}.", \
+                {"name": "navigate", "arguments": {"target": b.exit_id(b.place, step.thing)}}, True
+        thing = self._id(step.thing)
+        if thing is None:
+            source = self._id(step.other) if step.verb == "take" and step.other else None
+            if source is not None and not self._here(source):
+                return self._go_to(source)
+            if source is not None and b.doors.get(source) in ("closed", "locked"):
+                return f"The {step.thing} should be in the {step.other}; I open it.", \
+                    {"name": "open", "arguments": {"target": source}}, False
+            return self._explore(f"the {step.thing}")
+        state = b.doors.get(thing)
+        if step.verb == "take":
+            if b.things[thing][1] == "held":
+                return None
+            return self._go_to(thing) or (f"I pick up the {step.thing}.",
+                                          {"name": "pick_up", "arguments": {"object": thing}}, True)
+        if step.verb in ("put", "insert", "drop"):
+            if b.things[thing][1] != "held":
+                return self._go_to(thing) or (f"I need the {step.thing} first.",
+                                              {"name": "pick_up", "arguments": {"object": thing}}, False)
+            if step.verb == "drop":
+                return f"I leave the {step.thing} here.", \
+                    {"name": "place", "arguments": {"object": thing, "target": b.place}}, True
+            dest = self._id(step.other)
+            if dest is None:
+                return self._explore(f"the {step.other}")
+            return self._go_to(dest) or (f"I put the {step.thing} on/in the {step.other}.",
+                                         {"name": "place", "arguments": {"object": thing, "target": dest}}, True)
+        if step.verb in ("open", "unlock") and state == "open" or step.verb == "close" and state in ("closed",
+                                                                                                     "locked"):
+            return None
+        if step.verb in ("open", "unlock", "close"):
+            skill = "close" if step.verb == "close" else "open"
+            return self._go_to(thing) or (f"I {step.verb} the {step.thing}.",
+                                          {"name": skill, "arguments": {"target": thing}}, True)
+        if step.verb in ("lock", "eat"):
+            return self._go_to(thing) or (f"I {step.verb} the {step.thing}.",
+                                          {"name": "operate", "arguments": {"device": thing, "action": step.verb}},
+                                          True)
+        return f"I do not know how to {step.verb}.", {"name": "finish", "arguments": {"summary": "stuck"}}, False
+
+
