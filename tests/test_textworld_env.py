@@ -161,3 +161,12 @@ def test_the_teacher_wins_from_what_the_agent_saw(games, name):
                   [({"task": {"id": name, "game": str(games[name])}}, 0)])
     traj = played.trajectories[0]
     assert traj.success and len(traj.turns) <= 2 * traj.optimal_steps and not env_calls
+
+
+def test_a_seed_that_admits_no_quest_is_told_apart_from_a_failure(tmp_path):
+    """tw-make cannot place a quest of treasure hunter level 10 with seed 300: a property of the spec that a split
+    skips, not a crash, and nothing is left behind that looks like a game."""
+    from textworld_env.games import GameBuildError, NoQuestError
+    with pytest.raises(NoQuestError, match="QuestGenerationError"):
+        make_game(GameSpec(kind="treasure_hunter", level=10, seed=300), tmp_path)
+    assert issubclass(NoQuestError, GameBuildError) and list(tmp_path.iterdir()) == []

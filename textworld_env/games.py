@@ -84,6 +84,11 @@ class GameBuildError(RuntimeError):
     """tw-make failed for a spec (its message and the command are in the error)."""
 
 
+class NoQuestError(GameBuildError):
+    """tw-make cannot make a quest of this spec with this seed (a property of the spec, not a failure: a split
+    skips the seed)."""
+
+
 def _tw_make() -> str:
     found = shutil.which("tw-make") or str(Path(sys.executable).with_name("tw-make"))
     if not Path(found).exists():
@@ -108,7 +113,8 @@ def make_game(spec: GameSpec, folder: str | Path, timeout: float = 120.0) -> Pat
             raise GameBuildError(f"{spec.key}: tw-make took over {timeout:.0f} s: {' '.join(cmd)}") from None
         if run.returncode != 0 or not out.is_file():
             tail = (run.stderr or run.stdout).strip().splitlines()[-3:]
-            raise GameBuildError(f"{spec.key}: tw-make failed (exit {run.returncode}): {' | '.join(tail)}; "
+            kind = NoQuestError if "QuestGenerationError" in (run.stderr or "") else GameBuildError
+            raise kind(f"{spec.key}: tw-make failed (exit {run.returncode}): {' | '.join(tail)}; "
                                  f"command: {' '.join(cmd)}")
         (spec_file := Path(tmp) / f"{spec.key}.spec.json").write_text(spec.model_dump_json(indent=1))
         for part in (out.with_suffix(".json"), spec_file, out):   # the .z8 last: its presence means complete
