@@ -131,13 +131,13 @@ def test_the_objective_reads_into_steps():
             "of all, you could, like, look and see that the antique trunk inside the bedroom is opened. Then, recover "
             "the old key from the antique trunk. Then, make absolutely sure that the wooden door inside the bedroom "
             "is unlocked. After unlocking the wooden door, open the wooden door in the bedroom. Then, try to head "
-            "east. Having taken the milk, attempt to travel north. That done, rest the milk on the stove inside the "
-            "kitchen. Then, pick up the coin from the floor of the laundromat. And then, lock the safe with the "
-            "latchkey. And if you do that, you're the winner!")
+            "east. Then, attempt to go to the south. Having taken the milk, attempt to travel north. That done, rest "
+            "the milk on the stove inside the kitchen. Then, pick up the coin from the floor of the laundromat. And "
+            "then, lock the safe with the latchkey. And if you do that, you're the winner!")
     assert goal_steps(text) == [Step("open", "antique trunk"), Step("take", "old key", "antique trunk"),
                                 Step("unlock", "wooden door"), Step("open", "wooden door"), Step("go", "east"),
-                                Step("go", "north"), Step("put", "milk", "stove"), Step("take", "coin", "laundromat"),
-                                Step("lock", "safe", "latchkey")]
+                                Step("go", "south"), Step("go", "north"), Step("put", "milk", "stove"),
+                                Step("take", "coin", "laundromat"), Step("lock", "safe", "latchkey")]
     assert goal_steps("The dinner is almost ready! It's only missing a grilled carrot.") == [
         Step("take", "carrot"), Step("put", "carrot", "stove")]
     assert goal_steps("") == []

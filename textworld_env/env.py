@@ -252,6 +252,8 @@ class TextWorldEnv(gym.Env):
             room, then = m.group(1), m.group(2)     # an unvisited exit: walk to its room, then take it
         if room == "held" or room not in b.rooms:
             return f"I know no place {target!r}.", "unknown_id"
+        if then and then not in b.exits.get(room, {}):
+            return f"The {b.rooms[room]} has no exit {then}.", "unknown_id"
         hops = b.route(b.place, room)
         if hops is None:
             return f"I know no open way to {room}.", "no_route"

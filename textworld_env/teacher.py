@@ -42,7 +42,7 @@ def goal_steps(objective: str) -> list[Step]:
         if _DONE.search(sentence):
             continue
         clause = sentence.rsplit(", ", 1)[-1].strip(" .!")   # drop the lead-in ("Having taken the milk, ...")
-        if m := re.search(rf"\b{_GO} (?:through the )?(north|south|east|west)\b", clause):
+        if m := re.search(rf"\b{_GO} (?:to the |through the )?(north|south|east|west)\b", clause):
             steps.append(Step("go", m.group(1)))
         elif m := re.search(r"\b(?:take|retrieve|recover|pick up|pick-up|lift) the (.+?)"
                             r"(?: (?:from|in|that's in) the (?:floor of the )?(.+))?$", clause):
@@ -79,10 +79,13 @@ class Teacher:
         self.closing: dict | None = None   # the call that completes the current step, once made
         self.reading = False               # looking for a note that gives the steps
         self.tried: set[str] = set()       # containers it has tried to open while exploring
+        self.failed = 0                    # failures of the current step's own call
 
     def observe(self, call, info, observation) -> None:
-        if self.closing is not None and call == self.closing and info.get("error") is None:
-            self.done += 1
+        if self.closing is not None and call == self.closing:
+            self.failed = 0 if info.get("error") is None else self.failed + 1
+            if info.get("error") is None or self.failed >= 2:   # done, or its own call failed twice: skip it
+                self.done, self.failed = self.done + 1, 0
         self.closing = None
         if self.reading and isinstance(call, dict) and call.get("name") == "inspect" and info.get("error") is None:
             self.steps, self.reading = goal_steps(observation), False   # the note says what to do
