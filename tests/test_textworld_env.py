@@ -133,11 +133,13 @@ def test_the_objective_reads_into_steps():
             "is unlocked. After unlocking the wooden door, open the wooden door in the bedroom. Then, try to head "
             "east. Then, attempt to go to the south. Having taken the milk, attempt to travel north. That done, rest "
             "the milk on the stove inside the kitchen. Then, pick up the coin from the floor of the laundromat. And "
-            "then, lock the safe with the latchkey. And if you do that, you're the winner!")
+            "then, lock the safe with the latchkey. Then, place the lettuce on the stove inside the kitchen. And if "
+            "you do that, you're the winner!")
     assert goal_steps(text) == [Step("open", "antique trunk"), Step("take", "old key", "antique trunk"),
                                 Step("unlock", "wooden door"), Step("open", "wooden door"), Step("go", "east"),
                                 Step("go", "south"), Step("go", "north"), Step("put", "milk", "stove"),
-                                Step("take", "coin", "laundromat"), Step("lock", "safe", "latchkey")]
+                                Step("take", "coin", "laundromat"), Step("lock", "safe", "latchkey"),
+                                Step("put", "lettuce", "stove")]
     assert goal_steps("The dinner is almost ready! It's only missing a grilled carrot.") == [
         Step("take", "carrot"), Step("put", "carrot", "stove")]
     assert goal_steps("") == []

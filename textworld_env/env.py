@@ -180,6 +180,10 @@ class TextWorldEnv(gym.Env):
         """The game's objective, as the episode's task shows it."""
         return self._task.get("instruction", "")
 
+    def admissible_commands(self) -> list[str]:
+        """The commands the game admits now (the random baseline picks among them)."""
+        return list(self._state.admissible_commands or [])
+
     def oracle_commands(self) -> list[str]:
         """The game's own shortest plan from the current state (`policy_commands`): the oracle's, which may read
         the true state; never a teacher's source."""

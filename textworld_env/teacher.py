@@ -49,10 +49,11 @@ def goal_steps(objective: str) -> list[Step]:
             steps.append(Step("take", _name(m.group(1)), _name(m.group(2) or "")))
         elif m := re.search(r"\b(?:place|drop|ditch|throw|toss|deposit) the (.+?) on the floor of the (.+)$", clause):
             steps.append(Step("drop", _name(m.group(1)), _name(m.group(2))))
-        elif m := re.search(r"\b(?:insert|put|place|deposit) the (.+?) (?:into|inside) the (.+)$", clause):
-            steps.append(Step("insert", _name(m.group(1)), _name(m.group(2))))
+        # put before insert: "place the X on the Y inside the kitchen" ends with the room, not a container
         elif m := re.search(r"\b(?:put|place|sit|rest) the (.+?) (?:on|upon) the (.+)$", clause):
             steps.append(Step("put", _name(m.group(1)), _name(m.group(2))))
+        elif m := re.search(r"\b(?:insert|put|place|deposit) the (.+?) (?:into|inside) the (.+)$", clause):
+            steps.append(Step("insert", _name(m.group(1)), _name(m.group(2))))
         elif m := re.search(r"\bunlock the (.+?)(?: with the (.+))?$", clause) or \
                 re.search(r"\bthat the (.+?) is unlocked(?: with the (.+))?$", clause):
             steps.append(Step("unlock", _name(m.group(1)), _name(m.group(2) or "")))
