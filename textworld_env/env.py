@@ -312,9 +312,10 @@ class TextWorldEnv(gym.Env):
         b.landmarks[room] = sorted(slug(x) for x in visible if is_landmark(types[x]))
         for x in visible:
             b.things[slug(x)], b.kinds[slug(x)] = (x, room), types[x]
-            if x in opened or x in closed:        # a container's state shows (its locks only when tried)
-                b.doors[slug(x)] = "open" if x in opened else b.doors.get(slug(x)) if b.doors.get(
-                    slug(x)) == "locked" else "closed"
+            if x in opened:                       # a container's state shows; its lock only once tried
+                b.doors[slug(x)] = "open"
+            elif x in closed and b.doors.get(slug(x)) != "locked":
+                b.doors[slug(x)] = "closed"
         for n, a in facts:
             if n in ("on", "in") and a[1][0] in visible and (n == "on" or a[1][0] in opened or a[1][0] not in closed):
                 b.things[slug(a[0][0])], b.kinds[slug(a[0][0])] = (a[0][0], slug(a[1][0])), a[0][1]
