@@ -134,12 +134,12 @@ def test_the_objective_reads_into_steps():
             "east. Then, attempt to go to the south. Having taken the milk, attempt to travel north. That done, rest "
             "the milk on the stove inside the kitchen. Then, pick up the coin from the floor of the laundromat. And "
             "then, lock the safe with the latchkey. Then, place the lettuce on the stove inside the kitchen. And if "
-            "you do that, you're the winner!")
+            "you do that, you're the winner!  Then, assure the cake scented safe within the parlor is locked.")
     assert goal_steps(text) == [Step("open", "antique trunk"), Step("take", "old key", "antique trunk"),
                                 Step("unlock", "wooden door"), Step("open", "wooden door"), Step("go", "east"),
                                 Step("go", "south"), Step("go", "north"), Step("put", "milk", "stove"),
                                 Step("take", "coin", "laundromat"), Step("lock", "safe", "latchkey"),
-                                Step("put", "lettuce", "stove")]
+                                Step("put", "lettuce", "stove"), Step("lock", "cake scented safe")]
     assert goal_steps("The dinner is almost ready! It's only missing a grilled carrot.") == [
         Step("take", "carrot"), Step("put", "carrot", "stove")]
     assert goal_steps("") == []
@@ -163,6 +163,18 @@ def test_the_teacher_wins_from_what_the_agent_saw(games, name):
                   [({"task": {"id": name, "game": str(games[name])}}, 0)])
     traj = played.trajectories[0]
     assert traj.success and len(traj.turns) <= 2 * traj.optimal_steps and not env_calls
+
+
+def test_a_game_that_ends_on_unlocking_is_won_by_open(tmp_path):
+    """`open` unlocks first when the key is held; when unlocking wins the game (the quest wants the safe unlocked,
+    not opened), the env stops there: nothing is sent to a finished game, whose next state would say "not won"."""
+    from agent.episode import play
+    from agent.policies import ScriptedPolicy
+    from textworld_env.teacher import Teacher
+    game = make_game(GameSpec(kind="custom", world_size=4, nb_objects=9, quest_length=5, seed=2003), tmp_path)
+    traj = play(TextWorldEnv, ScriptedPolicy(lambda env, seed: Teacher(env), "teacher"),
+                [({"task": {"id": "unlock-last", "game": str(game)}}, 0)]).trajectories[0]
+    assert traj.success and traj.turns[-1].tool_call["name"] == "open", [u.tool_call for u in traj.turns]
 
 
 def test_a_seed_that_admits_no_quest_is_told_apart_from_a_failure(tmp_path):

@@ -228,7 +228,9 @@ class TextWorldEnv(gym.Env):
         if name in ("open", "close"):
             unlock = [c for c in self._state.admissible_commands if c.startswith(f"unlock {tname} with ")]
             if name == "open" and unlock:           # locked, and the key is held: unlock first
-                self._send(unlock[0])
+                obs, error = self._send(unlock[0])
+                if self.done:                       # unlocking it was the task's last step
+                    return obs, error
             obs, error = self._send(f"{name} {tname}")
             if error and name == "open" and tname in self._true("locked"):
                 b.doors[target] = "locked"          # trying it told the agent so
@@ -283,6 +285,8 @@ class TextWorldEnv(gym.Env):
     def _send(self, command: str) -> tuple[str, str | None]:
         """One game command. One the game does not admit now is an error (the game still answers it, as it
         would a player)."""
+        if self.done:        # the game ended with the command before (unlocking won, say): nothing more is sent
+            return "The game is over.", "episode_over"
         admissible = command in self._state.admissible_commands
         self._state, _, done = self._game.step(command)
         self._update(self._state)

@@ -54,16 +54,17 @@ def goal_steps(objective: str) -> list[Step]:
             steps.append(Step("put", _name(m.group(1)), _name(m.group(2))))
         elif m := re.search(r"\b(?:insert|put|place|deposit) the (.+?) (?:into|inside) the (.+)$", clause):
             steps.append(Step("insert", _name(m.group(1)), _name(m.group(2))))
+        # "unlock the X", or a state to reach: "(make sure | ensure | assure | check that) the X is unlocked"
         elif m := re.search(r"\bunlock the (.+?)(?: with the (.+))?$", clause) or \
-                re.search(r"\bthat the (.+?) is unlocked(?: with the (.+))?$", clause):
+                re.search(r"\bthe (.+?) is unlocked(?: with the (.+))?$", clause):
             steps.append(Step("unlock", _name(m.group(1)), _name(m.group(2) or "")))
         elif m := re.search(r"\block the (.+?)(?: with the (.+))?$", clause) or \
-                re.search(r"\bthat the (.+?) is locked(?: with the (.+))?$", clause):
+                re.search(r"\bthe (.+?) is locked(?: with the (.+))?$", clause):
             steps.append(Step("lock", _name(m.group(1)), _name(m.group(2) or "")))
         elif m := re.search(r"\bopen the (.+)$", clause) or \
-                re.search(r"\bthat the (.+?) is (?:opened|open|wide open|ajar)$", clause):
+                re.search(r"\bthe (.+?) is (?:opened|open|wide open|ajar)$", clause):
             steps.append(Step("open", _name(m.group(1))))
-        elif m := re.search(r"\bclose the (.+)$", clause) or re.search(r"\bthat the (.+?) is (?:closed|shut)$", clause):
+        elif m := re.search(r"\bclose the (.+)$", clause) or re.search(r"\bthe (.+?) is (?:closed|shut)$", clause):
             steps.append(Step("close", _name(m.group(1))))
         elif m := re.search(r"\beat the (.+)$", clause):
             steps.append(Step("eat", _name(m.group(1))))
