@@ -19,8 +19,8 @@ One step of one episode (`Episode.request`, then `Episode.record`):
 `play` runs many episodes in lockstep: each round asks the policy once for every live episode (one batched
 generation), then steps them all. The loop knows nothing of the sandbox: any env whose `reset` info carries
 `task` and whose `info` carries the keys below plugs in (see `sandbox.gym_env` for the reference contract):
-state_key, steps, step_budget, error, trigger, success, subgoals_met, subgoals_done, place, holding, learned,
-known, human_reply, answer.
+state_key, steps, step_budget, error, trigger, success, subgoals_met, subgoals_done, subgoals_total, place,
+holding, learned, known, human_reply, answer (TextWorld's score and max score are its subgoals done and total).
 
 A policy (`Policy`) answers a batch of `Request`s with `Reply`s, or with a `ModelError` for a request its
 backend failed on: an infrastructure failure is never scored as the model's invalid action. The episode
@@ -105,7 +105,7 @@ class Episode:
         self.trajectory = Trajectory(
             task_id=task["id"], instruction=task["instruction"], difficulty=task["difficulty"], scene=task["scene"],
             policy=policy_name, seed=seed, initial_observation=obs, initial_state_key=info["state_key"],
-            subgoals_total=len(task["subgoals"]), optimal_steps=task["optimal_steps"],
+            subgoals_total=info["subgoals_total"], optimal_steps=task["optimal_steps"],
             subgoals=[SubgoalInfo(**g) for g in task["subgoals"]], initial_subgoals_met=list(info["subgoals_met"]))
 
     def request(self, index: int = 0, with_prompt: bool = True) -> Request:

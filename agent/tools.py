@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from functools import lru_cache
 
 from sandbox.skills import SKILLS, Skill
@@ -26,6 +27,17 @@ def _tools() -> tuple[dict, ...]:
     return tuple(tool_schema(s) for s in SKILLS.values())
 
 
-def tool_definitions() -> list[dict]:
-    """Every skill as an OpenAI `tools` entry (the same list for teacher, SFT data, RL and evaluation)."""
-    return [dict(t) for t in _tools()]
+def tool_definitions(operate_actions: tuple[str, ...] | None = None) -> list[dict]:
+    """Every skill as an OpenAI `tools` entry (the same list for teacher, SFT data, RL and evaluation).
+    `operate_actions`: the actions `operate` takes in another env (TextWorld's eat, cook, slice, ...) instead of
+    the sandbox's."""
+    tools = [dict(t) for t in _tools()]
+    if operate_actions is None:
+        return tools
+    out = []
+    for t in tools:
+        if t["function"]["name"] == "operate":
+            t = copy.deepcopy(t)
+            t["function"]["parameters"]["properties"]["action"]["enum"] = list(operate_actions)
+        out.append(t)
+    return out

@@ -68,8 +68,10 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
              out: Path = typer.Option(..., "--out", help="output folder for metrics.json"),
              tasks: Optional[Path] = typer.Option(None, help="folder written by `embodistill build` (else built)"),
              env: str = typer.Option("sandbox", help="sandbox, babyai:LEVEL for pixel evaluation on a BabyAI "
-                                                     "level (e.g. babyai:GoTo), or browser:TASK for a browser task "
-                                                     "from evaluation/browser_tasks.yaml (e.g. browser:click-button)"),
+                                                     "level (e.g. babyai:GoTo), browser:TASK for a browser task "
+                                                     "from evaluation/browser_tasks.yaml (e.g. browser:click-button), "
+                                                     "or textworld:PATH for TextWorld games (a .z8/.ulx file or a "
+                                                     "folder of them; --policy expert | oracle | random | PATH)"),
              interface: str = typer.Option("computer", help="browser: computer (click/move/key/type at screenshot "
                                                             "pixels) | semantic (the task's named actions)"),
              episodes: int = typer.Option(50, help="babyai: episodes (seeds from the recipe's eval seed)"),
@@ -82,10 +84,14 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
              vision_base_url: Optional[str] = typer.Option(None, help="babyai/browser: the vision model's "
                                                                       "endpoint"),
              quiet: bool = typer.Option(False, help="no progress bar")):
-    """Run a policy on a split (sandbox) or on a BabyAI level from RGB frames (babyai:LEVEL) and write
-    metrics.json: TSR, GCR, steps, invalid-action rate per difficulty; or success with a Wilson interval, steps
-    against BabyAI's bot, deadlocks and perception accuracy, with report.md and frame strips."""
+    """Run a policy on a split (sandbox), on a BabyAI level from RGB frames (babyai:LEVEL), on a browser task or
+    on TextWorld games (textworld:PATH) and write metrics.json: TSR, GCR, steps, invalid-action rate per
+    difficulty; or success with a Wilson interval, steps against BabyAI's bot, deadlocks and perception accuracy,
+    with report.md and frame strips; or games won per game type and level with Wilson intervals."""
     spec = Path(policy).is_file() and Path(policy).suffix in (".yaml", ".yml", ".json")
+    if env.startswith("textworld:"):
+        _eval_textworld(recipe, env.split(":", 1)[1], policy, out, quiet)
+        return
     if policy not in ("expert", "random") and not spec and not (Path(policy) / "config.json").is_file():
         _fail(f"--policy must be expert, random, a model folder with config.json or a client spec file (.yaml), "
               f"not {policy!r}")
@@ -130,7 +136,7 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
                                                  "no_tool_call_rate", "out_of_space_rate", "env_failures")}))
         return
     if env != "sandbox":
-        _fail(f"--env must be sandbox, babyai:LEVEL or browser:TASK, not {env!r}")
+        _fail(f"--env must be sandbox, babyai:LEVEL, browser:TASK or textworld:PATH, not {env!r}")
     if split not in ("train", "test"):
         _fail(f"--split must be train or test, not {split!r}")
     try:
@@ -140,6 +146,26 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
         _fail(str(e))
     typer.echo(json.dumps({d: {"tsr": m[d]["tsr"], "gcr": m[d]["gcr"], "episodes": m[d]["episodes"]}
                            for d in ("easy", "medium", "hard", "all")}))
+
+
+def _eval_textworld(recipe: Path, games: str, policy: str, out: Path, quiet: bool) -> None:
+    """`eval --env textworld:PATH`: every game at PATH (a `.z8`/`.ulx` file or a folder of them, from tw-make)."""
+    # the textworld extra: imported only when asked for
+    from evaluation.textworld import SCRIPTED, GameFolderError, evaluate_textworld, find_games
+    if policy not in SCRIPTED and not (Path(policy) / "config.json").is_file():
+        _fail(f"--policy must be {', '.join(SCRIPTED)} or a model folder with config.json, not {policy!r}")
+    try:
+        r = load_recipe(recipe)
+        paths = find_games(games)
+    except (RecipeError, GameFolderError) as e:
+        _fail(str(e))
+    bar = tqdm(total=len(paths), desc=f"{policy} on {games}", unit="game", disable=quiet)
+    m = evaluate_textworld(paths, policy, out, seed=r.eval.seed, progress=bar.update,
+                           constrained=r.eval.constrained and policy not in SCRIPTED)
+    bar.close()
+    typer.echo(json.dumps({"policy": policy, "games": m["games"], **{k: m["all"][k] for k in (
+        "won_rate", "won_wilson95", "score_ratio", "mean_steps", "steps_over_walkthrough", "invalid_call_rate")},
+        "by_type": {k: v["won_rate"] for k, v in m["by_type"].items()}}))
 
 
 @app.command()

@@ -17,6 +17,7 @@ does not admit, is a typed error and the game does not see it.
 from __future__ import annotations
 
 import hashlib
+import random
 import re
 from collections import deque
 from dataclasses import dataclass, field
@@ -405,6 +406,22 @@ class OracleAgent:
                                          and self.env.belief.doors.get(call["arguments"]["target"]) == "open"):
                 return f"The plan says: {command}.", call
         return "Nothing is left to do.", {"name": "finish", "arguments": {"summary": "done"}}
+
+    def observe(self, call, info, observation) -> None:
+        pass
+
+
+class RandomAgent:
+    """A random choice among the admissible commands that a skill stands for: the floor any policy must beat.
+    For `agent.policies.ScriptedPolicy(lambda env, seed: RandomAgent(env, seed), "random")`."""
+
+    def __init__(self, env: TextWorldEnv, seed: int):
+        self.env, self.rng = env, random.Random(seed)
+
+    def act(self, info: dict) -> tuple[str, dict]:
+        calls = [c for c in (call_for_command(x, self.env.belief) for x in self.env.admissible_commands()) if c]
+        return "A random admissible command.", self.rng.choice(calls) if calls else {"name": "finish",
+                                                                                       "arguments": {}}
 
     def observe(self, call, info, observation) -> None:
         pass
