@@ -50,6 +50,11 @@ def aggregate(trajs: list[Trajectory]) -> dict:
 
 
 def split_metrics(trajs: list[Trajectory]) -> dict:
-    out = {d: aggregate([t for t in trajs if t.difficulty == d]) for d in ("easy", "medium", "hard")}
+    """Metrics per difficulty (the sandbox's easy, medium and hard; another env's own groups, such as TextWorld's
+    game families, when its episodes have them) and over `all`."""
+    levels = ("easy", "medium", "hard")
+    others = sorted({t.difficulty for t in trajs} - set(levels))
+    keys = [d for d in levels if not others or any(t.difficulty == d for t in trajs)] + others
+    out = {d: aggregate([t for t in trajs if t.difficulty == d]) for d in keys}
     out["all"] = aggregate(trajs)
     return out

@@ -132,8 +132,10 @@ def validation_instructions(instruction_ids: list[str], fraction: float, seed: i
 
 
 def build_rows(kept: list[Trajectory], tasks: dict[str, TaskInstance], scores: dict[str, float], teacher: str,
-               validation_fraction: float, seed: int) -> tuple[dict[str, dict[str, list[dict]]], dict]:
-    """{config: {split: rows}} in trajectory order, and {split: [instruction ids]}."""
+               validation_fraction: float, seed: int, tools: list[dict] | None = None
+               ) -> tuple[dict[str, dict[str, list[dict]]], dict]:
+    """{config: {split: rows}} in trajectory order, and {split: [instruction ids]}. `tools`: the skills as the
+    env offers them (default: the sandbox's)."""
     if not kept:
         raise DatasetBuildError("no trajectory passed the filter, so there is nothing to train on (see the "
                                 "distill thresholds)")
@@ -146,7 +148,7 @@ def build_rows(kept: list[Trajectory], tasks: dict[str, TaskInstance], scores: d
         raise DatasetBuildError(f"the kept trajectories come from {len(set(instr))} instruction(s); a validation "
                                 "split needs at least 2 (whole instructions go to one side): add tasks or relax the "
                                 "filter")
-    tools = tool_definitions()
+    tools = tool_definitions() if tools is None else tools
     rows = {c: {s: [] for s in SPLITS} for c in CONFIGS}
     for traj in kept:
         task = tasks[traj.task_id]

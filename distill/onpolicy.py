@@ -133,16 +133,28 @@ class TeacherLabel:
     text: str
 
 
+def sandbox_expert(env: Any, seed: int) -> ExpertAgent:
+    """The sandbox's expert as a teacher that may take over from any state (the labeller's default)."""
+    return ExpertAgent(env, seed, takeover=True)
+
+
+def sandbox_oracle(env: Any, seed: int) -> ExpertAgent:
+    """The sandbox's privileged expert: from a state, is the task still solvable?"""
+    return ExpertAgent(env, seed, takeover=True, privileged=True)
+
+
 class ExpertLabels:
-    """The expert as the labeller: one `ExpertAgent(takeover=True)` per episode, told every call made."""
+    """The expert as the labeller: one agent per episode (`expert(env, seed)`: the sandbox's
+    `ExpertAgent(takeover=True)`, or another env's teacher), told every call made."""
 
     name = "expert"
 
-    def __init__(self):
-        self.agents: dict[int, ExpertAgent] = {}
+    def __init__(self, expert: Callable[[Any, int], Any] = sandbox_expert):
+        self.expert = expert
+        self.agents: dict[int, Any] = {}
 
     def start(self, episode: int, env: Any, seed: int) -> None:
-        self.agents[episode] = ExpertAgent(env, seed, takeover=True)
+        self.agents[episode] = self.expert(env, seed)
 
     def observe(self, episode: int, call: dict | None, info: dict, observation: str) -> None:
         self.agents[episode].observe(call, info, observation)
@@ -158,8 +170,8 @@ class ExpertLabels:
 class ModelLabels:
     """A chat model as the labeller, asked with the prompt the student saw (one batched call per round)."""
 
-    def __init__(self, client, name: str | None = None):
-        self.policy = ChatPolicy(client, name=name)
+    def __init__(self, client, name: str | None = None, tools: list[dict] | None = None):
+        self.policy = ChatPolicy(client, name=name, tools=tools)
         self.name = self.policy.name
 
     def start(self, episode: int, env: Any, seed: int) -> None:
@@ -180,13 +192,16 @@ class ModelLabels:
         return out
 
 
-def make_labeller(teacher: str | ClientSpec, client=None):
-    """The labeller a recipe names: `expert`, or a client spec (`client` overrides the client it would build)."""
+def make_labeller(teacher: str | ClientSpec, client=None, expert: Callable[[Any, int], Any] = sandbox_expert,
+                  tools: list[dict] | None = None):
+    """The labeller a recipe names: `expert` (made by `expert(env, seed)`), or a client spec (`client` overrides
+    the client it would build; `tools`: the skills as the env offers them)."""
     if teacher == "expert":
-        return ExpertLabels()
+        return ExpertLabels(expert)
     from agent.clients import make_client
     from distill.teacher import teacher_name
-    return ModelLabels(client if client is not None else make_client(teacher), name=teacher_name(teacher))
+    return ModelLabels(client if client is not None else make_client(teacher), name=teacher_name(teacher),
+                       tools=tools)
 
 
 # ----------------------------------------------------------------------------- the student drives
@@ -296,7 +311,8 @@ def collect(make_env: Callable[[], Any], student, labeller, tasks: list[TaskInst
         first = next(lb.error for lb in labels if lb.error)
         raise OnPolicyError(f"round {round_no}: {errors + unreadable} of {len(labels)} teacher labels failed (first: "
                             f"{first}); onpolicy.max_teacher_error_share is {max_error_share}")
-    rows = label_rows(played, labels, tasks, round_no, teacher_name, validation or set())
+    rows = label_rows(played, labels, tasks, round_no, teacher_name, validation or set(),
+                      tools=getattr(student, "tools", None))
     trajs = played.trajectories
     labelled = [lb for lb in labels if lb.teacher is not None and lb.teacher.call is not None]
     stats = {"round": round_no, "beta": beta, "episodes": len(trajs), "states": len(labels),
@@ -319,11 +335,11 @@ class OnPolicyError(RuntimeError):
 
 
 def label_rows(played: Played, labels: list[Label], tasks: list[TaskInstance], round_no: int, teacher: str,
-               validation: set[str]) -> dict[str, list[dict]]:
+               validation: set[str], tools: list[dict] | None = None) -> dict[str, list[dict]]:
     """The `onpolicy` rows of a round, {split: rows} in task order then step (whatever the batching): one per
     state with a readable teacher label (the columns of the `step` config, plus `round`, `student_action` and
-    `agreed`)."""
-    tools = tool_definitions()
+    `agreed`). `tools`: the skills as the env offers them (default: the sandbox's)."""
+    tools = tool_definitions() if tools is None else tools
     rows: dict[str, list[dict]] = {s: [] for s in SPLITS}
     for lb in sorted(labels, key=lambda x: (x.episode, x.step)):
         if lb.teacher is None or lb.teacher.call is None:
@@ -361,11 +377,13 @@ def replayed_calls(traj: Trajectory, upto: int) -> list:
 
 
 def takeover(make_env: Callable[[], Any], trajectories: list[Trajectory], tasks: dict[str, TaskInstance],
-             seed: int, episodes: int, batch_size: int = 64) -> dict:
+             seed: int, episodes: int, batch_size: int = 64, expert: Callable[[Any, int], Any] = sandbox_expert,
+             oracle: Callable[[Any, int], Any] = sandbox_oracle) -> dict:
     """At a random step of up to `episodes` student episodes (seeded), the expert takes over and plays to the
     end of the task's budget; the privileged oracle does the same from the same state. Returns the expert's
     success rate, the oracle's (the share of states from which the task was still solvable), the expert's among
-    the solvable ones, and the cases the expert lost although the oracle won."""
+    the solvable ones, and the cases the expert lost although the oracle won. `expert(env, seed)` and
+    `oracle(env, seed)` make them (the sandbox's by default; TextWorld's teacher and the game's own plan)."""
     rng = random.Random(seed)
     picked = sorted(rng.sample(range(len(trajectories)), min(episodes, len(trajectories))))
     cases = []
@@ -377,9 +395,8 @@ def takeover(make_env: Callable[[], Any], trajectories: list[Trajectory], tasks:
     starts = [({"task": tasks[t.task_id]}, t.seed) for t, _ in cases]
 
     def runs(privileged: bool) -> list[bool]:
-        factories = [(lambda env, s, c=replayed_calls(t, k): ReplayAgent(
-            env, s, c, then=lambda e, s2: ExpertAgent(e, s2, takeover=True, privileged=privileged)))
-            for t, k in cases]
+        then = oracle if privileged else expert
+        factories = [(lambda env, s, c=replayed_calls(t, k): ReplayAgent(env, s, c, then=then)) for t, k in cases]
         played = play(make_env, _PerEpisode(factories, "oracle" if privileged else "expert"), starts,
                       batch_size=batch_size)
         return [t.success for t in played.trajectories]

@@ -168,18 +168,21 @@ def _append(fh, traj: Trajectory) -> None:
 EXPERT_BATCH = 64   # expert episodes in lockstep (the expert is fast; a batch only saves per-round overhead)
 
 
-def teacher_policy(teacher: str | ClientSpec, client=None) -> tuple[object, int]:
-    """(the episode loop's policy, how many episodes it plays in lockstep)."""
+def teacher_policy(teacher: str | ClientSpec, client=None, expert: Callable = ExpertAgent,
+                   tools: list[dict] | None = None) -> tuple[object, int]:
+    """(the episode loop's policy, how many episodes it plays in lockstep). `expert(env, seed)` makes the
+    scripted expert of the env (the sandbox's by default); `tools`, the skills a chat model is shown."""
     if teacher == "expert":
-        return ScriptedPolicy(ExpertAgent, name="expert", as_text=True), EXPERT_BATCH
+        return ScriptedPolicy(expert, name="expert", as_text=True), EXPERT_BATCH
     client = client if client is not None else make_client(teacher)
-    return ChatPolicy(client), 1 if teacher.kind == "transformers" else None
+    return ChatPolicy(client, tools=tools), 1 if teacher.kind == "transformers" else None
 
 
 def run_teacher(tasks: list[TaskInstance], teacher: str | ClientSpec, folder: str | Path, recipe_seed: int = 0,
                 concurrency: int = 8, human_factory=None, persona: dict | None = None, restart: bool = False,
                 progress: Callable[[int], None] | None = None, show_progress: bool = True,
-                client=None) -> TeacherRun:
+                client=None, make_env: Callable[[], object] | None = None, expert: Callable = ExpertAgent,
+                tools: list[dict] | None = None) -> TeacherRun:
     """Play every task once with the teacher, resuming from `folder/trajectories.partial.jsonl` (or from a
     complete run's `trajectories.jsonl` made with the same inputs). Writes `folder/trajectories.jsonl` in task
     order once every episode is done, and removes the partial file.
@@ -187,7 +190,8 @@ def run_teacher(tasks: list[TaskInstance], teacher: str | ClientSpec, folder: st
     `progress(n)` is called after each episode is saved (it may raise to stop the run: what was saved stays).
     `client` overrides the client built from a `ClientSpec` (the caller's own ChatModel). An endpoint that
     fails after its retries does not stop the other episodes; the run then raises `TeacherError` naming how
-    many failed, and a rerun plays only those."""
+    many failed, and a rerun plays only those. `make_env`, `expert` and `tools`: another env than the sandbox
+    (TextWorld: `textworld_env.env.TextWorldEnv`, its teacher, its `operate` actions)."""
     folder = Path(folder)
     ids = [t.id for t in tasks]
     if len(set(ids)) != len(ids):
@@ -230,9 +234,11 @@ def run_teacher(tasks: list[TaskInstance], teacher: str | ClientSpec, folder: st
 
     try:
         if todo:
-            policy, batch = teacher_policy(teacher, client)
+            policy, batch = teacher_policy(teacher, client, expert, tools)
             workers = batch or concurrency
-            play(lambda: SandboxEnv(human_factory=human_factory), policy, [({"task": t}, s) for _, t, s in todo],
+            if make_env is None:
+                make_env = lambda: SandboxEnv(human_factory=human_factory)  # noqa: E731
+            play(make_env, policy, [({"task": t}, s) for _, t, s in todo],
                  batch_size=workers, raise_errors=False, on_done=finished)
             if isinstance(policy, ChatPolicy):
                 stats = dict(getattr(policy.client, "stats", {}) or {})

@@ -24,23 +24,31 @@ from sandbox.schema import TaskInstance
 SCRIPTED = {"expert": ExpertAgent, "random": RandomAgent}
 
 
-def make_policy(policy: str | ClientSpec, constrained: bool = False):
+def make_policy(policy: str | ClientSpec, constrained: bool = False, tools: list[dict] | None = None):
     """expert | random | a local model folder (with `constrained`, its decoding can only write well-formed calls
-    over ids its prompt shows: `agent.constrained`) | a client spec (any OpenAI-compatible endpoint)."""
+    over ids its prompt shows: `agent.constrained`) | a client spec (any OpenAI-compatible endpoint). `tools`:
+    the skills a model is shown (default: the sandbox's)."""
     if isinstance(policy, ClientSpec):
-        return ChatPolicy(make_client(policy), name=policy.model)
+        return ChatPolicy(make_client(policy), name=policy.model, tools=tools)
     if policy in SCRIPTED:
         return ScriptedPolicy(SCRIPTED[policy], name=policy)
     if not Path(policy).is_dir():
         raise ValueError(f"unknown policy {policy!r}: choose {', '.join(SCRIPTED)} or a model folder")
-    return ChatPolicy(TransformersClient(policy, max_new_tokens=96, constrained=constrained), name=Path(policy).name)
+    return ChatPolicy(TransformersClient(policy, max_new_tokens=96, constrained=constrained), name=Path(policy).name,
+                      tools=tools)
 
 
 def evaluate(tasks: list[TaskInstance], policy: str | ClientSpec, seed: int = 0,
              progress: Callable[[int], None] | None = None, human_factory=None, batch_size: int = 16,
-             constrained: bool = False) -> tuple[dict, list[Trajectory]]:
-    """Play every task once (greedy for a model) and score the split: metrics per difficulty and "all"."""
-    played = play(lambda: SandboxEnv(human_factory=human_factory), make_policy(policy, constrained),
+             constrained: bool = False, make_env: Callable | None = None,
+             tools: list[dict] | None = None) -> tuple[dict, list[Trajectory]]:
+    """Play every task once (greedy for a model) and score the split: metrics per difficulty and "all".
+    `make_env` and `tools`: a model (not the sandbox's expert or random agent) in another env, such as
+    TextWorld's (`evaluation.textworld` has that env's own baselines and report)."""
+    if make_env is not None and policy in SCRIPTED:
+        raise ValueError(f"{policy!r} is the sandbox's agent: in another env, evaluate a model")
+    make_env = make_env or (lambda: SandboxEnv(human_factory=human_factory))
+    played = play(make_env, make_policy(policy, constrained, tools),
                   [({"task": t}, episode_seed(seed, t.id)) for t in tasks],
                   batch_size=batch_size, on_done=(lambda i, e: progress(1)) if progress else None)
     return split_metrics(played.trajectories), played.trajectories

@@ -144,6 +144,9 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
         m = run_eval(r, load_client_spec(policy) if spec else policy, split, out, tasks, show_progress=not quiet)
     except RecipeError as e:
         _fail(str(e))
+    if r.env == "textworld":
+        typer.echo(_textworld_summary(m))
+        return
     typer.echo(json.dumps({d: {"tsr": m[d]["tsr"], "gcr": m[d]["gcr"], "episodes": m[d]["episodes"]}
                            for d in ("easy", "medium", "hard", "all")}))
 
@@ -163,9 +166,13 @@ def _eval_textworld(recipe: Path, games: str, policy: str, out: Path, quiet: boo
     m = evaluate_textworld(paths, policy, out, seed=r.eval.seed, progress=bar.update,
                            constrained=r.eval.constrained and policy not in SCRIPTED)
     bar.close()
-    typer.echo(json.dumps({"policy": policy, "games": m["games"], **{k: m["all"][k] for k in (
+    typer.echo(_textworld_summary(m))
+
+
+def _textworld_summary(m: dict) -> str:
+    return json.dumps({"policy": m["policy"], "games": m["games"], **{k: m["all"][k] for k in (
         "won_rate", "won_wilson95", "score_ratio", "mean_steps", "steps_over_walkthrough", "invalid_call_rate")},
-        "by_type": {k: v["won_rate"] for k, v in m["by_type"].items()}}))
+        "by_type": {k: v["won_rate"] for k, v in m["by_type"].items()}})
 
 
 @app.command()

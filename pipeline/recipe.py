@@ -15,6 +15,7 @@ from distill.onpolicy import OnPolicyConfig
 from rl.config import GiGPOConfig
 from sft.train import SFTSection
 from sandbox.scenes import scene_ids
+from textworld_env.games import GameFamily
 
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -94,6 +95,18 @@ class SandboxSection(_Strict):
         return scene_ids() if self.scenes == "all" else list(self.scenes)
 
 
+class TextWorldSection(_Strict):
+    """TextWorld games for `env: textworld`: the families to draw from and how many games of each per split.
+    Splits never share a game (their tw-make seeds are disjoint: `textworld_env.games.split_seed`); games are
+    built once and cached under `folder` by their spec."""
+
+    games: list[GameFamily] = Field(min_length=1)
+    train_games_per_family: int = Field(default=20, ge=1, le=10_000)
+    test_games_per_family: int = Field(default=20, ge=1, le=10_000)
+    pool_games_per_family: int = Field(default=10, ge=1, le=10_000)   # the RL pool and on-policy rounds
+    folder: str = "outputs/textworld/games"
+
+
 class EvalSection(_Strict):
     seed: int = 0
     # a model folder's decoding can only write well-formed compact calls over ids its prompt shows
@@ -136,7 +149,10 @@ class DistillSection(_Strict):
 class Recipe(_Strict):
     name: str   # a folder under outputs/ (`safe_name`)
     seed: int = 0
+    # where the tasks come from: the project's sandbox, or TextWorld games (its `textworld:` section)
+    env: Literal["sandbox", "textworld"] = "sandbox"
     sandbox: SandboxSection = Field(default_factory=SandboxSection)
+    textworld: TextWorldSection | None = None
     eval: EvalSection = Field(default_factory=EvalSection)
     judge: JudgeSection = Field(default_factory=JudgeSection)
     distill: DistillSection = Field(default_factory=DistillSection)
@@ -148,6 +164,16 @@ class Recipe(_Strict):
     @classmethod
     def _folder_name(cls, v):
         return safe_name(v, "the recipe name (a folder under outputs/)")
+
+    @model_validator(mode="after")
+    def _env_section(self):
+        if self.env == "textworld" and self.textworld is None:
+            raise ValueError("env: textworld needs a textworld: section (games: [{kind: ..., ...}], ...)")
+        if self.env == "textworld" and not 0 <= self.seed < 100:
+            raise ValueError(f"env: textworld takes a seed from 0 to 99 (game seeds derive from it), not {self.seed}")
+        if self.env == "sandbox" and self.textworld is not None:
+            raise ValueError("a textworld: section needs env: textworld")
+        return self
 
 
 class _RecipeYAML(yaml.SafeLoader):

@@ -25,7 +25,7 @@ from agent.trajectory import numbered_lines, write_json, write_jsonl, write_text
 from distill.card import card_metadata, render_card
 from distill.dataset import CONFIGS, SPLITS, DatasetBuildError, build_rows, validation_instructions, write_artifact
 from distill.filter import FilterThresholds, filter_stats, judge_and_filter
-from distill.onpolicy import collect, make_labeller, round_tasks, takeover
+from distill.onpolicy import collect, make_labeller, round_tasks, sandbox_expert, sandbox_oracle, takeover
 from distill.teacher import run_teacher, teacher_description, teacher_name
 from evaluation.sandbox_eval import evaluate
 from pipeline.recipe import Recipe, RecipeError, format_validation
@@ -35,8 +35,11 @@ from rl.trainer import GiGPOTrainer
 from sandbox.gym_env import SandboxEnv
 from sandbox.builder import BuildConfig, BuildStats, build_split, compositional_split, target_combos
 from sandbox.scenes import load_scene
+from sandbox.agents import ExpertAgent
 from sandbox.schema import TaskInstance
 from sft.train import load_sft_dataset, run_gkd, run_sft
+from reward_engine.rules import SANDBOX_ONLY
+from textworld_env.games import GameTask, build_games
 
 
 def build_config(recipe: Recipe) -> BuildConfig:
@@ -69,7 +72,9 @@ def _drop_held_out(recipe: Recipe, tasks: list[TaskInstance]) -> tuple[list[Task
 def build_tasks(recipe: Recipe, show_progress: bool = True, bar: StageBar | None = None
                 ) -> tuple[dict[str, list[TaskInstance]], dict]:
     """Train and test splits, disjoint in instructions and layouts, plus validation statistics. Progress shows on
-    `bar` (a stage's bar) or a bar of its own."""
+    `bar` (a stage's bar) or a bar of its own. For `env: textworld`, the games of the recipe's families."""
+    if recipe.env == "textworld":
+        return _textworld_splits(recipe, show_progress, bar)
     cfg = build_config(recipe)
     scenes = [load_scene(s) for s in recipe.sandbox.scene_list()]
     stats = BuildStats()
@@ -95,12 +100,70 @@ def build_tasks(recipe: Recipe, show_progress: bool = True, bar: StageBar | None
     return {"train": train, "test": test}, out
 
 
+def _textworld_splits(recipe: Recipe, show_progress: bool, bar: StageBar | None) -> tuple[dict, dict]:
+    """The train and test games of a TextWorld recipe (built by tw-make once, then found in the cache)."""
+    tw = recipe.textworld
+    own = bar is None
+    bar = StageBar("build", enabled=show_progress) if own else bar
+    bar.phase("build games", len(tw.games) * (tw.train_games_per_family + tw.test_games_per_family), unit="game")
+    splits = {split: build_games(tw.games, split, n, tw.folder, recipe.seed, progress=bar.update)
+              for split, n in (("train", tw.train_games_per_family), ("test", tw.test_games_per_family))}
+    if own:
+        bar.close()
+    return splits, {"games": {k: len(v) for k, v in splits.items()}, "families": [f.label for f in tw.games],
+                    "folder": tw.folder}
+
+
+def compositional_ids(recipe: Recipe, splits: dict) -> set[str]:
+    """Ids of the test tasks of the compositional split (sandbox only: TextWorld games name no colour-type
+    combinations held out from training)."""
+    if recipe.env != "sandbox":
+        return set()
+    return {t.id for t in compositional_split(splits["train"], splits["test"])}
+
+
+def make_env_factory(recipe: Recipe):
+    """`make_env()` for the one episode loop: the sandbox (with the recipe's persona) or TextWorld."""
+    if recipe.env == "textworld":
+        from textworld_env.env import TextWorldEnv
+        return TextWorldEnv
+    humans = human_factory(recipe)
+    return lambda: SandboxEnv(human_factory=humans)
+
+
+def expert_factory(recipe: Recipe):
+    """The env's scripted teacher, `factory(env, seed)`: the sandbox's expert or TextWorld's teacher."""
+    if recipe.env == "textworld":
+        from textworld_env.teacher import Teacher
+        return lambda env, seed: Teacher(env)
+    return ExpertAgent
+
+
+def env_tools(recipe: Recipe) -> list[dict] | None:
+    """The skills a chat model is shown in this env (None: the sandbox's)."""
+    if recipe.env == "textworld":
+        from agent.tools import tool_definitions
+        from textworld_env.env import OPERATE_VERBS
+        return tool_definitions(OPERATE_VERBS)
+    return None
+
+
 def build_rl_pool(recipe: Recipe, splits: dict[str, list[TaskInstance]], n_per_scene: int,
                   show_progress: bool = False, bar: StageBar | None = None) -> list[TaskInstance]:
     """Fresh tasks for online RL (`rl.task_pool: fresh`): the "rl" split, built like the others (the recipe's
     builder) from its own seed range, with no instruction text or layout of the train or test split and no
     instruction targeting a held-out combination: RL practises on instances like the test split's (new texts,
-    new layouts) that no demonstration covered, and the test split stays unseen."""
+    new layouts) that no demonstration covered, and the test split stays unseen. For `env: textworld`: the
+    games of the "rl" split (`textworld.pool_games_per_family` of each family; `n_per_scene` is not used)."""
+    if recipe.env == "textworld":
+        tw = recipe.textworld
+        own = bar is None
+        bar = StageBar("build", enabled=show_progress) if own else bar
+        bar.phase("build rl games", len(tw.games) * tw.pool_games_per_family, unit="game")
+        pool = build_games(tw.games, "rl", tw.pool_games_per_family, tw.folder, recipe.seed, progress=bar.update)
+        if own:
+            bar.close()
+        return pool
     cfg = build_config(recipe)
     scenes = [load_scene(s) for s in recipe.sandbox.scene_list()]
     texts = {t.instruction for split in splits.values() for t in split}
@@ -123,6 +186,9 @@ def recipe_hash(recipe: Recipe) -> str:
 def write_build(recipe: Recipe, out: Path, show_progress: bool = True) -> dict:
     splits, stats = build_tasks(recipe, show_progress)
     for split, tasks in splits.items():
+        if recipe.env == "textworld":
+            write_jsonl(out / f"{split}_games.jsonl", tasks)
+            continue
         for diff in ("easy", "medium", "hard"):
             write_jsonl(out / f"{split}_{diff}.jsonl", [t for t in tasks if t.difficulty == diff])
     stats["splits"] = {k: len(v) for k, v in splits.items()}
@@ -131,7 +197,9 @@ def write_build(recipe: Recipe, out: Path, show_progress: bool = True) -> dict:
     return stats
 
 
-def load_tasks(folder: Path, split: str) -> list[TaskInstance]:
+def load_tasks(folder: Path, split: str, env: str = "sandbox") -> list[TaskInstance] | list[GameTask]:
+    """The tasks `write_build` wrote for a split (TextWorld games with `env="textworld"`, in their order)."""
+    model = GameTask if env == "textworld" else TaskInstance
     tasks = []
     files = sorted(folder.glob(f"{split}_*.jsonl"))
     if not files:
@@ -143,9 +211,11 @@ def load_tasks(folder: Path, split: str) -> list[TaskInstance]:
             if not line.strip():
                 continue
             try:
-                tasks.append(TaskInstance.model_validate_json(line))
+                tasks.append(model.model_validate_json(line))
             except ValidationError as e:
                 raise RecipeError(format_validation(f"{f}:{i}", e)) from None
+    if env == "textworld":
+        return tasks
     order = {"easy": 0, "medium": 1, "hard": 2}
     return sorted(tasks, key=lambda t: (order[t.difficulty], t.id))
 
@@ -164,9 +234,22 @@ def run_eval(recipe: Recipe, policy: str | ClientSpec, split: str, out: Path, ta
     OUT/trajectories.jsonl and OUT/manifest.json."""
     bar = StageBar("eval", enabled=show_progress)
     if tasks_dir is not None:
-        tasks = load_tasks(tasks_dir, split)
+        tasks = load_tasks(tasks_dir, split, recipe.env)
     else:
         tasks = build_tasks(recipe, bar=bar)[0][split]
+    if recipe.env == "textworld":
+        from evaluation.textworld import evaluate_textworld
+        if isinstance(policy, ClientSpec):
+            bar.close()
+            raise RecipeError("TextWorld evaluation takes expert, oracle, random or a model folder, not a client "
+                              "spec")
+        bar.phase(f"{policy} on {split}", len(tasks), unit="game")
+        metrics = evaluate_textworld([Path(t.game) for t in tasks], policy, out, seed=recipe.eval.seed,
+                                     progress=bar.update, constrained=recipe.eval.constrained)
+        bar.close()
+        metrics["split"] = split
+        write_json(out / "metrics.json", metrics)
+        return metrics
     name = f"{policy.kind}:{policy.model}" if isinstance(policy, ClientSpec) else policy
     bar.phase(f"{name} on {split}", len(tasks), unit="ep")
     metrics, trajs = evaluate(tasks, policy, seed=recipe.eval.seed, progress=bar.update,
@@ -188,6 +271,8 @@ def make_reward_engine(recipe: Recipe, cache_path: Path | None = None):
     """The recipe's reward engine (distillation filter and RL rewards call this)."""
     j = recipe.judge
     prompt = load_prompt(j.prompt) if j.prompt else default_prompt()
+    if recipe.env != "sandbox":      # no people, reports or permits there: the sandbox's own checks do not apply
+        prompt = prompt.without_checks(SANDBOX_ONLY)
     if j.backend == "llm":
         backend = LLMBackend(make_client(j.model), max_repairs=j.max_repairs, seed=recipe.seed)
     else:
@@ -201,7 +286,8 @@ def distill_tasks(recipe: Recipe, train: list[TaskInstance]) -> list[TaskInstanc
     if n is None:
         return list(train)
     picked = []
-    for diff in ("easy", "medium", "hard"):
+    kinds = ("easy", "medium", "hard") if recipe.env == "sandbox" else dict.fromkeys(t.difficulty for t in train)
+    for diff in kinds:                  # TextWorld: its game families, in the recipe's order
         picked += [t for t in train if t.difficulty == diff][:n]
     return picked
 
@@ -221,7 +307,7 @@ def run_distill_stage(recipe: Recipe, out: Path, tasks_dir: Path | None = None, 
     build_stats = None
     bar = StageBar("distill", enabled=show_progress)
     if tasks_dir is not None:
-        train = load_tasks(tasks_dir, "train")
+        train = load_tasks(tasks_dir, "train", recipe.env)
     else:
         splits, build_stats = build_tasks(recipe, bar=bar)
         train = splits["train"]
@@ -236,7 +322,8 @@ def run_distill_stage(recipe: Recipe, out: Path, tasks_dir: Path | None = None, 
     try:
         run = run_teacher(tasks, d.teacher, out / "teacher", recipe_seed=recipe.seed, concurrency=d.concurrency,
                           human_factory=human_factory(recipe), persona=persona, restart=restart,
-                          progress=bar.update, show_progress=False, client=client)
+                          progress=bar.update, show_progress=False, client=client,
+                          make_env=make_env_factory(recipe), expert=expert_factory(recipe), tools=env_tools(recipe))
     except BaseException:
         bar.close()
         raise
@@ -256,7 +343,8 @@ def run_distill_stage(recipe: Recipe, out: Path, tasks_dir: Path | None = None, 
     by_id = {t.id: t for t in tasks}
     name = teacher_name(d.teacher)
     try:
-        rows, instructions = build_rows(kept, by_id, scores, name, d.validation_fraction, recipe.seed)
+        rows, instructions = build_rows(kept, by_id, scores, name, d.validation_fraction, recipe.seed,
+                                        tools=env_tools(recipe))
     except DatasetBuildError as e:
         raise DatasetBuildError(f"{out}: {e} (rejected: {fstats['rejected_reasons']}; each episode's reasons are "
                                 f"in {out / 'decisions.jsonl'})") from None
@@ -461,19 +549,20 @@ def run_onpolicy_stage(recipe: Recipe, dataset: Path, init: Path, out: Path, res
     if cfg.eval_tasks is not None:
         test = sorted(test, key=lambda t: hashlib.sha256(f"{recipe.eval.seed}|{t.id}".encode()).hexdigest())
         test = test[:cfg.eval_tasks]
-    compositional = {t.id for t in compositional_split(splits["train"], splits["test"])}
+    compositional = compositional_ids(recipe, splits)
     about = json.loads(card_json.read_text())
     known_val = set(about["instructions"]["validation"])
     train_instr = set(about["instructions"]["train"])
     fresh = sorted({t.instruction_id for t in pool} - known_val - train_instr)
     validation = known_val | validation_instructions(fresh, recipe.distill.validation_fraction, seed)
-    make_env = lambda: SandboxEnv(human_factory=human_factory(recipe))  # noqa: E731
+    make_env, tools = make_env_factory(recipe), env_tools(recipe)
     name = teacher_name(cfg.teacher)
+    expert, oracle = _onpolicy_experts(recipe)
 
     def evaluate_student(folder: Path, label: str) -> dict:
         bar.phase(f"{label}: test split", len(test), unit="ep")
         m, trajs = evaluate(test, str(folder), seed=recipe.eval.seed, progress=bar.update,
-                            human_factory=human_factory(recipe), batch_size=cfg.batch_size)
+                            batch_size=cfg.batch_size, make_env=make_env, tools=tools)
         return _tsr_by_block(trajs, compositional)
 
     rounds = []
@@ -500,13 +589,14 @@ def run_onpolicy_stage(recipe: Recipe, dataset: Path, init: Path, out: Path, res
             bar.phase(f"round {r}: student plays, {name} labels", len(tasks), unit="ep")
             student_client = TransformersClient(student, max_new_tokens=cfg.max_new_tokens,
                                                 temperature=cfg.temperature, seed=seed, batch_size=cfg.batch_size)
-            got = collect(make_env, ChatPolicy(student_client, name="student"), make_labeller(cfg.teacher, client),
+            got = collect(make_env, ChatPolicy(student_client, name="student", tools=tools),
+                          make_labeller(cfg.teacher, client, expert=expert, tools=tools),
                           tasks, seed, r, beta=cfg.beta_for(r), batch_size=cfg.batch_size, validation=validation,
                           teacher_name=name, max_error_share=cfg.max_teacher_error_share, progress=bar.update)
             # 2. how recoverable are the states it reached?
             bar.phase(f"round {r}: expert takes over", 1, unit="run")
             took = takeover(make_env, got.played.trajectories, {t.id: t for t in tasks}, seed * 1000 + r,
-                            cfg.takeover_episodes)
+                            cfg.takeover_episodes, expert=expert, oracle=oracle)
             bar.update(1)
             write_jsonl(rd / "trajectories.jsonl", got.played.trajectories)
             write_text_atomic(rd / "rows.jsonl", "".join(json.dumps(x) + "\n" for s in ("train", "validation")
@@ -548,6 +638,15 @@ def run_onpolicy_stage(recipe: Recipe, dataset: Path, init: Path, out: Path, res
     write_json(out / "metrics.json", metrics)
     write_json(out / "manifest.json", {"stage": "onpolicy", "init": str(init), **key, "rounds": cfg.rounds})
     return metrics
+
+
+def _onpolicy_experts(recipe: Recipe):
+    """(the teacher that labels any state, the oracle that says whether a state is still solvable) of the env."""
+    if recipe.env == "textworld":
+        from textworld_env.env import OracleAgent
+        from textworld_env.teacher import Teacher
+        return (lambda env, seed: Teacher(env)), (lambda env, seed: OracleAgent(env))
+    return sandbox_expert, sandbox_oracle
 
 
 def write_onpolicy_dataset(recipe: Recipe, dataset: Path, out: Path, rows: list[dict], validation: set[str],
@@ -594,11 +693,12 @@ def make_rl_trainer(recipe: Recipe, out: Path, init: Path, algorithm: str | None
     splits = build_tasks(recipe, bar=bar)[0]
     pool = splits["train"] if cfg.task_pool == "train" else build_rl_pool(recipe, splits,
                                                                         cfg.pool_instructions_per_scene, bar=bar)
-    compositional = {t.id for t in compositional_split(splits["train"], splits["test"])}
+    compositional = compositional_ids(recipe, splits)
     return GiGPOTrainer(cfg, init, out, pool, splits["test"], make_reward_engine(recipe),
                         seed=recipe.seed if seed is None else seed, eval_seed=recipe.eval.seed,
                         compositional=compositional, human_factory=human_factory(recipe), name=recipe.name,
-                        resume=resume, restart=restart, show_progress=show_progress, cpu=cpu, bar=bar)
+                        resume=resume, restart=restart, show_progress=show_progress, cpu=cpu, bar=bar,
+                        make_env=make_env_factory(recipe), tools=env_tools(recipe))
 
 
 def run_rl_stage(recipe: Recipe, out: Path, init: Path, **options) -> dict:

@@ -234,6 +234,15 @@ class RewardPrompt(_Model):
         data["parent_hash"] = self.content_hash()
         return RewardPrompt.model_validate(data)
 
+    def without_checks(self, checks: frozenset[str] | set[str]) -> "RewardPrompt":
+        """The prompt without the rubric items and temporal rules that run these checks (an env that has no
+        people or reports drops `rules.SANDBOX_ONLY`); its content hash, and so the verdict cache, changes."""
+        data = self.model_dump(mode="json")
+        for sec in data["sections"]:
+            sec["items"] = [it for it in sec["items"] if it["check"] not in checks]
+        data["rules"] = [r for r in data["rules"] if r["check"] not in checks]
+        return RewardPrompt.model_validate(data)
+
     # ----------------------------------------------------------------- LLM rendering
 
     def render_turn_system(self, skill: str | None) -> str:

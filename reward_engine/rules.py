@@ -315,3 +315,9 @@ CHECKS: dict[str, Callable[[History, int], Hit | None]] = {f.__name__: f for f i
     unreadable, invalid_tool, bad_arguments, after_end, unknown_entity, blind_retry, no_effect, revisit,
     uninformative_failure, known_constraint, already_there, known_blocked, repeat_search, known_locked,
     repeat_question, unasked_report, report_before_observe, help_before_obstacle, finish_before_done)}
+
+# checks about what only the sandbox has (people to ask and answer, reports, help requests, permits and fragile
+# objects, searches for a named thing, obstacles it reports as found): an env without them (TextWorld) drops them
+# from the reward prompt (`RewardPrompt.without_checks`); the others hold for any env behind the env contract
+SANDBOX_ONLY = frozenset({"known_constraint", "known_blocked", "repeat_search", "repeat_question", "unasked_report",
+                          "report_before_observe", "help_before_obstacle"})

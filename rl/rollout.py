@@ -81,12 +81,16 @@ def group_plan(tasks: list[TaskInstance], group_size: int, seed: int) -> list[tu
 def collect_rollouts(engine, tasks: list[TaskInstance], group_size: int, seed: int, temperature: float,
                      max_new_tokens: int, memory_size: int = 4, max_steps: int | None = None,
                      human_factory=None, policy_name: str = "student",
-                     progress: Callable[[int], None] | None = None) -> RolloutBatch:
+                     progress: Callable[[int], None] | None = None, make_env: Callable[[], Any] | None = None,
+                     tools: list[dict] | None = None) -> RolloutBatch:
     """Play `len(tasks) * group_size` episodes in lockstep with `engine` (see `rl.engines`). Sampling is
-    seeded per round from `seed`, so the same seed and weights give the same batch."""
+    seeded per round from `seed`, so the same seed and weights give the same batch. `make_env` and `tools`:
+    another env than the sandbox (TextWorld) and the skills as it offers them."""
     plan = group_plan(tasks, group_size, seed)
-    played = play(lambda: SandboxEnv(human_factory=human_factory),
-                  EnginePolicy(engine, temperature, max_new_tokens, seed, name=policy_name),
+    policy = EnginePolicy(engine, temperature, max_new_tokens, seed, name=policy_name)
+    if tools is not None:
+        policy.tools = tools
+    played = play(make_env or (lambda: SandboxEnv(human_factory=human_factory)), policy,
                   [({"task": task}, ep_seed) for _, task, ep_seed in plan], memory_size=memory_size,
                   max_steps=max_steps, on_done=(lambda i, e: progress(1)) if progress else None)
     batch = RolloutBatch(trajectories=played.trajectories, groups=[g for g, _, _ in plan],

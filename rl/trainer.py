@@ -150,8 +150,11 @@ class GiGPOTrainer:
     def __init__(self, config: GiGPOConfig, init: str | Path, out: str | Path, train_tasks: list, eval_tasks: list,
                  reward_engine, *, seed: int = 0, eval_seed: int = 0, compositional=(), human_factory=None,
                  name: str = "rl", resume: bool = False, restart: bool = False, show_progress: bool = True,
-                 cpu: bool | None = None, bar: StageBar | None = None):
+                 cpu: bool | None = None, bar: StageBar | None = None, make_env=None, tools: list[dict] | None = None):
         self.cfg = config
+        # the env episodes are played in (the sandbox with `human_factory`, or another: TextWorld) and its skills
+        self.make_env = make_env or (lambda: SandboxEnv(human_factory=human_factory))
+        self.tools = tools
         self.init, self.out = Path(init), Path(out)
         self.seed = seed + config.seed_offset
         self.eval_seed = eval_seed
@@ -162,8 +165,10 @@ class GiGPOTrainer:
         if not (self.init / "config.json").is_file():
             raise RLError(f"{self.init}: no model checkpoint there (no config.json). `embodistill sft RECIPE` "
                           "writes outputs/<recipe>/sft/final; an RL run writes OUT/final")
-        diffs = set(config.difficulties or ("easy", "medium", "hard"))
-        self.pool = [t for t in train_tasks if t.difficulty in diffs]
+        levels = {"easy", "medium", "hard"}
+        diffs = set(config.difficulties or levels)
+        # another env's groups (TextWorld's game families) are not difficulties: all of them stay
+        self.pool = [t for t in train_tasks if t.difficulty in diffs or t.difficulty not in levels]
         if not self.pool:
             raise RLError(f"no {config.task_pool} pool tasks at difficulties {sorted(diffs)} in {name}")
         self.test = eval_tasks[: config.eval_tasks] if config.eval_tasks else list(eval_tasks)
@@ -287,7 +292,7 @@ class GiGPOTrainer:
         return collect_rollouts(self.engine, tasks, cfg.group_size,
                                 seed=self.seed * 100_003 + it * 101 + acc.process_index, temperature=cfg.temperature,
                                 max_new_tokens=cfg.max_new_tokens, memory_size=cfg.memory_size,
-                                max_steps=cfg.max_steps, human_factory=self.human_factory)
+                                max_steps=cfg.max_steps, make_env=self.make_env, tools=self.tools)
 
     def rewards(self, batch: RolloutBatch) -> tuple[dict[str, np.ndarray], float]:
         """2. The judge's verdict on every trajectory, mixed into step rewards r_t and returns R(tau); and the
@@ -496,8 +501,9 @@ class GiGPOTrainer:
             h.update(f.name.encode())
             h.update(str(f.stat().st_size).encode())
             h.update(str(f.stat().st_mtime_ns).encode())
-        h.update(json.dumps([[t.id, t.instruction, t.step_budget] for t in self.test]).encode())
-        h.update(json.dumps([[t.id, t.instruction, t.step_budget] for t in self.pool_eval]).encode())
+        for tasks in (self.test, self.pool_eval):   # a sandbox task, or a TextWorld game (its file and spec)
+            h.update(json.dumps([[t.id, t.instruction, t.step_budget] if hasattr(t, "instruction")
+                                 else [t.id, t.game, t.spec.key] for t in tasks]).encode())
         h.update(json.dumps(sorted(self.compositional)).encode())
         # the episode seeds: `episode_seed(eval_seed, task id)` ("task-id"; before 2026-12-06 they came from the
         # task's position, and a cache made so must not look current)
@@ -517,10 +523,10 @@ class GiGPOTrainer:
             model = self.acc.unwrap_model(self.model)
             policy = ChatPolicy(TransformersClient(model, self.tok, max_new_tokens=self.cfg.max_new_tokens,
                                                    batch_size=self.cfg.eval_batch, device=str(self.acc.device)),
-                                name="student")
+                                name="student", tools=self.tools)
 
             def play_greedy(tasks: list) -> list:
-                return play(lambda: SandboxEnv(human_factory=self.human_factory), policy,
+                return play(self.make_env, policy,
                             [({"task": t}, episode_seed(self.eval_seed, t.id)) for t in tasks],
                             batch_size=self.cfg.eval_batch, memory_size=self.cfg.memory_size).trajectories
 
@@ -533,7 +539,7 @@ class GiGPOTrainer:
                 m["pool"] = aggregate(play_greedy(self.pool_eval))
             model.train()
             out = {"kind": "eval", "iteration": it, "split": "test", "seconds": round(time.perf_counter() - t0, 1),
-                   **{d: {k: m[d][k] for k in EVAL_KEYS} for d in EVAL_GROUPS if d in m}}
+                   **{d: {k: m[d][k] for k in EVAL_KEYS} for d in [*EVAL_GROUPS, *m] if d in m}}
             if cache is not None:
                 try:
                     write_json(cache, out)
@@ -603,9 +609,9 @@ class GiGPOTrainer:
             os.fsync(f.fileno())
         if self._wandb is not None:
             flat = {f"{row['kind']}/{k}": v for k, v in row.items() if isinstance(v, (int, float))}
-            for d in EVAL_GROUPS:
-                if isinstance(row.get(d), dict):
-                    flat.update({f"eval/{d}/{k}": v for k, v in row[d].items()})
+            for d, block in row.items():      # the evaluation's groups: difficulties (or families), all, ...
+                if row["kind"] == "eval" and isinstance(block, dict):
+                    flat.update({f"eval/{d}/{k}": v for k, v in block.items()})
             self._wandb.log(flat, step=row["iteration"])
 
     # ------------------------------------------------------------------ the run
@@ -723,7 +729,9 @@ def plot_curves(metrics_path: Path, png: Path, title: str = "") -> Path:
     line(clip, "clip_frac", "clipped tokens")
     clip.set_title("clip fraction")
     ev_it = [r["iteration"] for r in evals]
-    for d in ("easy", "medium", "hard", "all"):
+    groups = [d for d, v in (evals[0] if evals else {}).items()   # difficulties (or TextWorld's families), all
+              if isinstance(v, dict) and "tsr" in v and d not in ("seen", "compositional", "pool")]
+    for d in groups:
         test.plot(ev_it, [r[d]["tsr"] for r in evals], marker="o", label=f"test TSR {d}",
                   lw=2.5 if d == "all" else 1)
     test.plot(ev_it, [r["all"]["gcr"] for r in evals], "k--", marker="x", label="test GCR all")

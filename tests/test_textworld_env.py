@@ -85,9 +85,9 @@ def test_bad_calls_are_typed_errors_and_the_budget_truncates(games):
     env = TextWorldEnv()
     _, info = env.reset(options={"task": {"id": "coin", "game": str(games["coin"]), "step_budget": 4}})
     key = info["state_key"]
-    cases = [({"name": "pick_up", "arguments": {"object": "dragon"}}, "unknown_id"),
-             ({"name": "navigate", "arguments": {"target": "moon"}}, "unknown_id"),
-             ({"name": "talk_to", "arguments": {"person": "x", "topic": "y"}}, "not_available"),
+    cases = [({"name": "pick_up", "arguments": {"object": "dragon"}}, "unknown_entity"),
+             ({"name": "navigate", "arguments": {"target": "moon"}}, "unknown_entity"),
+             ({"name": "talk_to", "arguments": {"person": "x", "topic": "y"}}, "precondition_unmet"),
              ({"parse_error": "no tool call"}, "parse_error")]
     for step, (call, error) in enumerate(cases, 1):
         _, reward, terminated, truncated, info = env.step(call)

@@ -130,6 +130,8 @@ class TextWorldEnv(gym.Env):
         import textworld
         super().reset(seed=seed)
         task = (options or {}).get("task") or self._task
+        if hasattr(task, "model_dump"):      # a `textworld_env.games.GameTask`
+            task = task.model_dump()
         if not task:
             raise ValueError("TextWorldEnv.reset needs options={'task': {'id': ..., 'game': PATH}} the first time")
         path = Path(task["game"])
@@ -158,7 +160,7 @@ class TextWorldEnv(gym.Env):
     def step(self, action: dict):
         if self._game is None:
             raise RuntimeError("call reset() before step()")
-        before = set(self.belief.learned)
+        before, score = set(self.belief.learned), int(self._state.score or 0)
         if self.done:
             obs, error = "The game is over.", "episode_over"
         else:
@@ -171,7 +173,8 @@ class TextWorldEnv(gym.Env):
         terminated = self.done
         truncated = not terminated and self.steps >= self._task["step_budget"]
         reward = 1.0 if (terminated and self.won) else 0.0
-        return obs, reward, terminated, truncated, self._info(error, sorted(self.belief.learned - before))
+        met = [f"point_{k}" for k in range(score + 1, int(self._state.score or 0) + 1)]   # the score's new points
+        return obs, reward, terminated, truncated, self._info(error, sorted(self.belief.learned - before), met)
 
     def render(self):
         return self._last_obs
@@ -208,10 +211,10 @@ class TextWorldEnv(gym.Env):
             self.done = True
             return ("Finished: the task is done." if self.won else "Finished, but the task is not done."), None
         if name in ("talk_to", "ask_for_help", "report"):
-            return f"There is no one to answer {name} in this game.", "not_available"
+            return f"There is no one to answer {name} in this game.", "precondition_unmet"
         target = str(args.get("object") or args.get("target") or args.get("device") or "")
         if target not in b.things and target != b.place:
-            return f"I know no {target!r} here or anywhere I have been.", "unknown_id"
+            return f"I know no {target!r} here or anywhere I have been.", "unknown_entity"
         tname = b.things[target][0] if target in b.things else ""
         if name == "inspect":
             return self._send(f"examine {tname}")
@@ -223,7 +226,7 @@ class TextWorldEnv(gym.Env):
             if dest == b.place:
                 return self._send(f"drop {tname}")
             if dest not in b.things:
-                return f"I know no {dest!r} to put it on or in.", "unknown_id"
+                return f"I know no {dest!r} to put it on or in.", "unknown_entity"
             verb = "insert {} into {}" if b.kinds.get(dest) == "c" else "put {} on {}"
             return self._send(verb.format(tname, b.things[dest][0]))
         if name in ("open", "close"):
@@ -236,17 +239,17 @@ class TextWorldEnv(gym.Env):
             if error and name == "open" and tname in self._true("locked"):
                 b.doors[target] = "locked"          # trying it told the agent so
                 b.learned.add(f"locked:{target}")
-                return f"The {tname} is locked.", "locked"
+                return f"The {tname} is locked.", "precondition_unmet"
             return obs, error
         if name == "operate":
             verb = str(args.get("action", ""))
             if verb not in OPERATE_VERBS:
-                return f"operate here takes one of {', '.join(OPERATE_VERBS)}, not {verb!r}.", "bad_argument"
+                return f"operate here takes one of {', '.join(OPERATE_VERBS)}, not {verb!r}.", "bad_argument_value"
             options = [c for c in self._state.admissible_commands if c.startswith(f"{verb} {tname}")]
             if not options:
-                return f"You cannot {verb} the {tname} here.", "not_possible"
+                return f"You cannot {verb} the {tname} here.", "precondition_unmet"
             return self._send(options[0])
-        return f"There is no skill {name!r}.", "unknown_skill"
+        return f"There is no skill {name!r}.", "unknown_tool"
 
     def _navigate(self, target: str) -> tuple[str, str | None]:
         b = self.belief
@@ -258,12 +261,12 @@ class TextWorldEnv(gym.Env):
         if target not in b.rooms and m and m.group(1) in b.rooms:
             room, then = m.group(1), m.group(2)     # an unvisited exit: walk to its room, then take it
         if room == "held" or room not in b.rooms:
-            return f"I know no place {target!r}.", "unknown_id"
+            return f"I know no place {target!r}.", "unknown_entity"
         if then and then not in b.exits.get(room, {}):
-            return f"The {b.rooms[room]} has no exit {then}.", "unknown_id"
+            return f"The {b.rooms[room]} has no exit {then}.", "unknown_entity"
         hops = b.route(b.place, room)
         if hops is None:
-            return f"I know no open way to {room}.", "no_route"
+            return f"I know no open way to {room}.", "unreachable"
         hops = hops + ([(room, then)] if then else [])
         if not hops:
             return f"You are in the {b.rooms[room]} already.", None
@@ -293,7 +296,7 @@ class TextWorldEnv(gym.Env):
         self._update(self._state)
         self.won = bool(self._state.won)
         self.done = self.done or bool(done)
-        return clean_feedback(self._state.feedback), (None if admissible else "not_possible")
+        return clean_feedback(self._state.feedback), (None if admissible else "precondition_unmet")
 
     # ------------------------------------------------------------------ belief from the agent's own room
 
@@ -352,13 +355,13 @@ class TextWorldEnv(gym.Env):
         start = _HEADER.search(text)
         return clean_feedback(text[start.start():] if start else text)
 
-    def _info(self, error: str | None, learned: list[str]) -> dict:
+    def _info(self, error: str | None, learned: list[str], met: list[str] | None = None) -> dict:
         s = self._state
         facts = sorted(str(p) for p in s.facts)
         key = hashlib.sha256("\n".join(facts).encode()).hexdigest()[:16]
         held = [i for i, (_, where) in self.belief.things.items() if where == "held"]
         return {"state_key": key, "steps": self.steps, "step_budget": self._task["step_budget"], "error": error,
-                "trigger": None, "success": self.won, "subgoals_met": [], "subgoals_done": int(s.score or 0),
+                "trigger": None, "success": self.won, "subgoals_met": met or [], "subgoals_done": int(s.score or 0),
                 "subgoals_total": int(s.max_score or 0), "place": self.belief.place, "holding": held,
                 "learned": learned, "known": self.belief.known(), "human_reply": None, "answer": None}
 

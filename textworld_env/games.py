@@ -14,12 +14,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -121,3 +122,128 @@ def make_game(spec: GameSpec, folder: str | Path, timeout: float = 120.0) -> Pat
             if part.is_file():
                 os.replace(part, folder / part.name)
     return final
+
+
+# ----------------------------------------------------------------------------- splits of games
+
+SPLIT_INDEX = {"train": 0, "test": 1, "rl": 2}
+_Range = int | Annotated[list[int], Field(min_length=2, max_length=2)]   # a number, or [lo, hi]
+
+
+class GameFamily(BaseModel):
+    """A kind of game a recipe draws from: a `GameSpec` without its seed, where a number may be a range
+    `[lo, hi]` (inclusive) drawn per game. `name` labels the family in reports (default: the kind, and the goal
+    text for tw-simple). Strict, as a recipe is: `"3"` is not a number."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    kind: Literal["simple", "coin_collector", "treasure_hunter", "cooking", "custom"]
+    name: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9_-]{0,40}$")
+    level: _Range | None = None
+    goal: Literal["detailed", "brief", "none"] = "detailed"
+    rewards: Literal["dense", "balanced", "sparse"] = "dense"
+    world_size: _Range | None = None
+    nb_objects: _Range | None = None
+    quest_length: _Range | None = None
+    recipe: int | None = Field(default=None, ge=1, le=5)
+
+    @model_validator(mode="after")
+    def _ranges_and_spec(self) -> "GameFamily":
+        for field_name in ("level", "world_size", "nb_objects", "quest_length"):
+            v = getattr(self, field_name)
+            if isinstance(v, list) and v[0] > v[1]:
+                raise ValueError(f"{field_name}: a range is [lo, hi] with lo <= hi, not {list(v)}")
+        self.spec(0, random.Random(0))        # every value in range makes a valid spec: check the ends
+        self.spec(0, _Ends(1))
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.name or (f"simple-{self.goal}" if self.kind == "simple" else self.kind)
+
+    def spec(self, seed: int, rng: random.Random) -> GameSpec:
+        """One game of the family: each range drawn from `rng`, in field order."""
+        def draw(v):
+            return rng.randint(v[0], v[1]) if isinstance(v, list) else v
+        values = {k: draw(getattr(self, k)) for k in ("level", "world_size", "nb_objects", "quest_length")}
+        extra = {"goal": self.goal, "rewards": self.rewards} if self.kind == "simple" else {}
+        return GameSpec(kind=self.kind, seed=seed, recipe=self.recipe, **values, **extra)
+
+
+class _Ends(random.Random):
+    """Draws the upper end of every range (to validate a family at both its ends)."""
+
+    def randint(self, a: int, b: int) -> int:
+        return b
+
+
+class GameTask(BaseModel):
+    """One game of a split, as the pipeline's stages handle a task: `TextWorldEnv.reset(options={"task": it})`.
+    A game is its own instruction and layout (`instruction_id`, `layout_id`: the split's unit of holding out)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str
+    game: str
+    spec: GameSpec
+    family: str                       # the family's label: what reports group by (as `difficulty`)
+
+    @property
+    def difficulty(self) -> str:
+        return self.family
+
+    @property
+    def scene(self) -> str:
+        return self.spec.kind
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    @property
+    def instruction_id(self) -> str:
+        return self.id
+
+    @property
+    def layout_id(self) -> str:
+        return self.id
+
+    def model_dump(self, **kwargs):   # what `TextWorldEnv.reset` reads, with the properties
+        out = super().model_dump(**kwargs)
+        return {**out, "difficulty": self.family, "scene": self.spec.kind}
+
+
+def split_seed(split: str, recipe_seed: int, family: int, i: int) -> int:
+    """The tw-make seed of game `i` of family `family` in a split: splits, recipe seeds (< 100) and families
+    (< 100) never share a seed."""
+    if split not in SPLIT_INDEX:
+        raise ValueError(f"split must be one of {', '.join(SPLIT_INDEX)}, not {split!r}")
+    if not (0 <= recipe_seed < 100 and 0 <= family < 100 and 0 <= i < 10_000):
+        raise ValueError("split_seed needs recipe_seed < 100, family < 100 and i < 10000")
+    return SPLIT_INDEX[split] * 100_000_000 + recipe_seed * 1_000_000 + family * 10_000 + i
+
+
+def build_games(families: list[GameFamily], split: str, per_family: int, folder: str | Path, recipe_seed: int = 0,
+                progress=None) -> list[GameTask]:
+    """`per_family` games of each family for a split, built (or found in the cache) under `folder`. A seed that
+    admits no quest is skipped for the next one (at most `3 * per_family + 10` seeds per family)."""
+    tasks: list[GameTask] = []
+    for f, family in enumerate(families):
+        made, i = 0, 0
+        while made < per_family:
+            if i >= 3 * per_family + 10:
+                raise GameBuildError(f"family {family.label}: only {made} of {per_family} {split} games after {i} "
+                                     "seeds (tw-make found no quest for the rest): widen its settings")
+            seed = split_seed(split, recipe_seed, f, i)
+            spec = family.spec(seed, random.Random(seed))
+            i += 1
+            try:
+                path = make_game(spec, folder)
+            except NoQuestError:
+                continue
+            tasks.append(GameTask(id=f"{split}-{family.label}-{made}-{spec.key.split('-')[-1][:8]}", game=str(path),
+                                  spec=spec, family=family.label))
+            made += 1
+            if progress is not None:
+                progress(1)
+    return tasks
