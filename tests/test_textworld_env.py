@@ -184,3 +184,25 @@ def test_a_seed_that_admits_no_quest_is_told_apart_from_a_failure(tmp_path):
     with pytest.raises(NoQuestError, match="QuestGenerationError"):
         make_game(GameSpec(kind="treasure_hunter", level=10, seed=300), tmp_path)
     assert issubclass(NoQuestError, GameBuildError) and list(tmp_path.iterdir()) == []
+
+
+def test_the_teacher_takes_over_from_a_random_players_state(games, tmp_path):
+    """On-policy distillation labels, and takes over from, states the teacher did not choose: after up to 8
+    random admissible calls (containers opened and closed again, a note's neighbour inspected, a key taken),
+    the teacher still wins every game the game's own oracle wins from the same state."""
+    from agent.episode import play
+    from agent.policies import ScriptedPolicy
+    from distill.onpolicy import takeover
+    from textworld_env.env import OracleAgent, RandomAgent
+    from textworld_env.games import GameTask
+    from textworld_env.teacher import Teacher
+    specs = {**SPECS, "none": GameSpec(kind="simple", seed=5, goal="none"),
+             "detailed": GameSpec(kind="simple", seed=6, goal="detailed")}
+    paths = {**games, **{n: make_game(specs[n], tmp_path) for n in ("none", "detailed")}}
+    tasks = {n: GameTask(id=n, game=str(paths[n]), spec=s, family=n) for n, s in specs.items()}
+    starts = [({"task": t}, seed) for t in tasks.values() for seed in range(3)]
+    played = play(TextWorldEnv, ScriptedPolicy(lambda env, s: RandomAgent(env, s), "random"), starts, max_steps=8)
+    r = takeover(TextWorldEnv, played.trajectories, tasks, 0, len(starts), expert=lambda env, s: Teacher(env),
+                 oracle=lambda env, s: OracleAgent(env))
+    assert r["episodes"] == 18 and r["oracle_success"] == 1.0
+    assert r["expert_success"] == 1.0, r["lost_when_solvable"]

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -224,26 +225,39 @@ def split_seed(split: str, recipe_seed: int, family: int, i: int) -> int:
 
 
 def build_games(families: list[GameFamily], split: str, per_family: int, folder: str | Path, recipe_seed: int = 0,
-                progress=None) -> list[GameTask]:
-    """`per_family` games of each family for a split, built (or found in the cache) under `folder`. A seed that
-    admits no quest is skipped for the next one (at most `3 * per_family + 10` seeds per family)."""
+                progress=None, workers: int | None = None) -> list[GameTask]:
+    """`per_family` games of each family for a split, built (or found in the cache) under `folder`, `workers`
+    tw-make processes at a time (default: one per core). A seed that admits no quest is skipped for the next
+    one (at most `3 * per_family + 10` seeds per family); which games a split holds depends on the seeds alone,
+    never on the number of workers."""
+    workers = workers or len(os.sched_getaffinity(0))
     tasks: list[GameTask] = []
-    for f, family in enumerate(families):
-        made, i = 0, 0
-        while made < per_family:
-            if i >= 3 * per_family + 10:
-                raise GameBuildError(f"family {family.label}: only {made} of {per_family} {split} games after {i} "
-                                     "seeds (tw-make found no quest for the rest): widen its settings")
-            seed = split_seed(split, recipe_seed, f, i)
-            spec = family.spec(seed, random.Random(seed))
-            i += 1
-            try:
-                path = make_game(spec, folder)
-            except NoQuestError:
-                continue
-            tasks.append(GameTask(id=f"{split}-{family.label}-{made}-{spec.key.split('-')[-1][:8]}", game=str(path),
-                                  spec=spec, family=family.label))
-            made += 1
-            if progress is not None:
-                progress(1)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for f, family in enumerate(families):
+            made, i, limit = 0, 0, 3 * per_family + 10
+            while made < per_family:
+                if i >= limit:
+                    raise GameBuildError(f"family {family.label}: only {made} of {per_family} {split} games after "
+                                         f"{i} seeds (tw-make found no quest for the rest): widen its settings")
+                # the next seeds, as many as are still needed (and workers allow), built side by side
+                seeds = [split_seed(split, recipe_seed, f, j) for j in range(i, min(i + max(per_family - made, 1),
+                                                                                     i + workers, limit))]
+                i += len(seeds)
+                specs = [family.spec(seed, random.Random(seed)) for seed in seeds]
+                for spec, built in zip(specs, pool.map(_try_make, specs, [folder] * len(specs)), strict=True):
+                    if built is None or made == per_family:      # no quest there, or enough made already
+                        continue
+                    tasks.append(GameTask(id=f"{split}-{family.label}-{made}-{spec.key.split('-')[-1][:8]}",
+                                          game=str(built), spec=spec, family=family.label))
+                    made += 1
+                    if progress is not None:
+                        progress(1)
     return tasks
+
+
+def _try_make(spec: GameSpec, folder: str | Path) -> Path | None:
+    """The game of `spec`, or None when its seed admits no quest."""
+    try:
+        return make_game(spec, folder)
+    except NoQuestError:
+        return None

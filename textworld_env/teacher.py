@@ -80,16 +80,27 @@ class Teacher:
         self.done = 0                      # steps carried out
         self.closing: dict | None = None   # the call that completes the current step, once made
         self.reading = False               # looking for a note that gives the steps
-        self.tried: set[str] = set()       # containers it has tried to open while exploring
+        self.tried: set[str] = set()       # what was tried to open (by it or, as it labels, the student)
         self.failed = 0                    # failures of the current step's own call
+        self.origin: tuple[int, str] | None = None   # (step, room): where the current `go` step starts from
 
     def observe(self, call, info, observation) -> None:
+        """Told every call made, its own or (labelling a student, taking over from one) another's."""
         if self.closing is not None and call == self.closing:
             self.failed = 0 if info.get("error") is None else self.failed + 1
             if info.get("error") is None or self.failed >= 2:   # done, or its own call failed twice: skip it
                 self.done, self.failed = self.done + 1, 0
         self.closing = None
-        if self.reading and isinstance(call, dict) and call.get("name") == "inspect" and info.get("error") is None:
+        if isinstance(call, dict) and call.get("name") == "open":   # whoever tried it: explored, locked or not
+            self.tried.add(str((call.get("arguments") or {}).get("target")))
+        b = self.env.belief
+        if self.steps and self.done < len(self.steps) and self.steps[self.done].verb == "go" \
+                and self.origin is not None and self.origin[0] == self.done \
+                and b.place == b.leads.get((self.origin[1], self.steps[self.done].thing)):
+            self.done += 1                 # whoever walked, the exit the step names was taken
+        note = self._id("note")
+        if self.reading and note is not None and isinstance(call, dict) and call.get("name") == "inspect" \
+                and (call.get("arguments") or {}).get("target") == note and info.get("error") is None:
             self.steps, self.reading = goal_steps(observation), False   # the note says what to do
 
     def act(self, info: dict) -> tuple[str, dict]:
@@ -103,6 +114,8 @@ class Teacher:
             go = self._go_to(note)
             return go[:2] if go else ("A note: I read it.", {"name": "inspect", "arguments": {"target": note}})
         while self.done < len(self.steps) and not self.env.won:
+            if self.steps[self.done].verb == "go" and (self.origin is None or self.origin[0] != self.done):
+                self.origin = (self.done, self.env.belief.place)   # "go east" is east of where the step began
             out = self._next(self.steps[self.done])
             if out is not None:
                 thought, call, closing = out
@@ -132,13 +145,12 @@ class Teacher:
         here = b.landmarks.get(b.place, [])
         for box in here:
             if b.doors.get(box) == "closed" and box not in self.tried:
-                self.tried.add(box)
                 return f"I have not seen {why} yet; it may be in the {b.things[box][0]}.", \
                     {"name": "open", "arguments": {"target": box}}, False
         for thing, (name, where) in b.things.items():
             if b.kinds.get(thing) == "k" and (where == b.place or where in here):
-                return f"A {name} may open what is locked.", {"name": "pick_up", "arguments": {"object": thing}}, \
-                    False
+                return self._open_around(thing) or (f"A {name} may open what is locked.",
+                                                    {"name": "pick_up", "arguments": {"object": thing}}, False)
         for target in b.unvisited():
             room, direction = target.rsplit("_", 1)
             door = b.exits.get(room, {}).get(direction)
@@ -153,6 +165,15 @@ class Teacher:
                     {"name": "navigate", "arguments": {"target": where}}, False
         return f"I cannot find {why} anywhere I can reach.", {"name": "finish", "arguments": {"summary": why}}, False
 
+    def _open_around(self, thing: str):
+        """The call that opens the closed container a seen thing was in (closed since), or None."""
+        b = self.env.belief
+        where = b.things[thing][1]
+        if where in b.things and b.kinds.get(where) == "c" and b.doors.get(where) in ("closed", "locked"):
+            return f"The {b.things[thing][0]} is in the {b.things[where][0]}, which is closed; I open it.", \
+                {"name": "open", "arguments": {"target": where}}, False
+        return None
+
     def _go_to(self, thing: str):
         """The call that brings the agent to a seen thing, or None when it is here."""
         b = self.env.belief
@@ -166,8 +187,9 @@ class Teacher:
         """(thought, call, whether the call completes the step), or None when the step holds already."""
         b = self.env.belief
         if step.verb == "go":
+            start = self.origin[1] if self.origin is not None else b.place
             return f"The task says go {step.thing}.", \
-                {"name": "navigate", "arguments": {"target": b.exit_id(b.place, step.thing)}}, True
+                {"name": "navigate", "arguments": {"target": b.exit_id(start, step.thing)}}, True
         thing = self._id(step.thing)
         if thing is None:
             source = self._id(step.other) if step.verb == "take" and step.other else None
@@ -181,16 +203,18 @@ class Teacher:
         if step.verb == "take":
             if b.things[thing][1] == "held":
                 return None
-            return self._go_to(thing) or (f"I pick up the {step.thing}.",
-                                          {"name": "pick_up", "arguments": {"object": thing}}, True)
+            return self._go_to(thing) or self._open_around(thing) or (
+                f"I pick up the {step.thing}.", {"name": "pick_up", "arguments": {"object": thing}}, True)
         if step.verb in ("put", "insert", "drop"):
+            dest = slug(step.other) if step.verb == "drop" else self._id(step.other)
+            if dest is not None and b.things[thing][1] == dest:
+                return None                # already there (put there by whoever acted before)
             if b.things[thing][1] != "held":
-                return self._go_to(thing) or (f"I need the {step.thing} first.",
-                                              {"name": "pick_up", "arguments": {"object": thing}}, False)
+                return self._go_to(thing) or self._open_around(thing) or (
+                    f"I need the {step.thing} first.", {"name": "pick_up", "arguments": {"object": thing}}, False)
             if step.verb == "drop":
                 return f"I leave the {step.thing} here.", \
                     {"name": "place", "arguments": {"object": thing, "target": b.place}}, True
-            dest = self._id(step.other)
             if dest is None:
                 return self._explore(f"the {step.other}")
             return self._go_to(dest) or (f"I put the {step.thing} on/in the {step.other}.",
