@@ -101,6 +101,8 @@ class TextWorldSection(_Strict):
     built once and cached under `folder` by their spec."""
 
     games: list[GameFamily] = Field(min_length=1)
+    # the games' own seed (0-99): the recipe's `seed` seeds training, so 3 training seeds play the same games
+    seed: int = Field(default=0, ge=0, lt=100)
     train_games_per_family: int = Field(default=20, ge=1, le=10_000)
     test_games_per_family: int = Field(default=20, ge=1, le=10_000)
     pool_games_per_family: int = Field(default=10, ge=1, le=10_000)   # the RL pool and on-policy rounds
@@ -169,8 +171,6 @@ class Recipe(_Strict):
     def _env_section(self):
         if self.env == "textworld" and self.textworld is None:
             raise ValueError("env: textworld needs a textworld: section (games: [{kind: ..., ...}], ...)")
-        if self.env == "textworld" and not 0 <= self.seed < 100:
-            raise ValueError(f"env: textworld takes a seed from 0 to 99 (game seeds derive from it), not {self.seed}")
         if self.env == "sandbox" and self.textworld is not None:
             raise ValueError("a textworld: section needs env: textworld")
         return self

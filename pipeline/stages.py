@@ -11,7 +11,9 @@ import os
 import shutil
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from pydantic import ValidationError
 
@@ -21,6 +23,7 @@ from agent.llm_persona import LLMHumanAgent
 from agent.metrics import split_metrics
 from agent.policies import ChatPolicy
 from agent.progress import StageBar
+from agent.tools import tool_definitions
 from agent.trajectory import numbered_lines, write_json, write_jsonl, write_text_atomic
 from distill.card import card_metadata, render_card
 from distill.dataset import CONFIGS, SPLITS, DatasetBuildError, build_rows, validation_instructions, write_artifact
@@ -100,16 +103,25 @@ def build_tasks(recipe: Recipe, show_progress: bool = True, bar: StageBar | None
     return {"train": train, "test": test}, out
 
 
-def _textworld_splits(recipe: Recipe, show_progress: bool, bar: StageBar | None) -> tuple[dict, dict]:
-    """The train and test games of a TextWorld recipe (built by tw-make once, then found in the cache)."""
+def _textworld_games(recipe: Recipe, counts: dict[str, int], what: str, show_progress: bool,
+                     bar: StageBar | None) -> dict[str, list[GameTask]]:
+    """{split: games} of a TextWorld recipe, `counts[split]` of each family (built by tw-make once, then found in
+    the cache), with progress on `bar` or a bar of its own."""
     tw = recipe.textworld
     own = bar is None
     bar = StageBar("build", enabled=show_progress) if own else bar
-    bar.phase("build games", len(tw.games) * (tw.train_games_per_family + tw.test_games_per_family), unit="game")
-    splits = {split: build_games(tw.games, split, n, tw.folder, recipe.seed, progress=bar.update)
-              for split, n in (("train", tw.train_games_per_family), ("test", tw.test_games_per_family))}
+    bar.phase(what, len(tw.games) * sum(counts.values()), unit="game")
+    out = {split: build_games(tw.games, split, n, tw.folder, tw.seed, progress=bar.update)
+           for split, n in counts.items()}
     if own:
         bar.close()
+    return out
+
+
+def _textworld_splits(recipe: Recipe, show_progress: bool, bar: StageBar | None) -> tuple[dict, dict]:
+    tw = recipe.textworld
+    splits = _textworld_games(recipe, {"train": tw.train_games_per_family, "test": tw.test_games_per_family},
+                              "build games", show_progress, bar)
     return splits, {"games": {k: len(v) for k, v in splits.items()}, "families": [f.label for f in tw.games],
                     "folder": tw.folder}
 
@@ -122,30 +134,28 @@ def compositional_ids(recipe: Recipe, splits: dict) -> set[str]:
     return {t.id for t in compositional_split(splits["train"], splits["test"])}
 
 
-def make_env_factory(recipe: Recipe):
-    """`make_env()` for the one episode loop: the sandbox (with the recipe's persona) or TextWorld."""
-    if recipe.env == "textworld":
-        from textworld_env.env import TextWorldEnv
-        return TextWorldEnv
-    humans = human_factory(recipe)
-    return lambda: SandboxEnv(human_factory=humans)
+@dataclass(frozen=True)
+class EnvParts:
+    """What the stages need of a recipe's env, handed to them (they never choose an env themselves)."""
+
+    make_env: Callable[[], Any]              # a fresh env for the one episode loop
+    teacher: Callable[[Any, int], Any]       # the scripted teacher that distills, `factory(env, seed)`
+    labeller: Callable[[Any, int], Any]      # the teacher that labels (and takes over from) any state
+    oracle: Callable[[Any, int], Any]        # privileged: is a state still solvable?
+    tools: list[dict] | None                 # the skills a model is shown (None: the sandbox's)
 
 
-def expert_factory(recipe: Recipe):
-    """The env's scripted teacher, `factory(env, seed)`: the sandbox's expert or TextWorld's teacher."""
+def env_parts(recipe: Recipe) -> EnvParts:
+    """The sandbox's parts (with the recipe's persona), or TextWorld's: its env, its teacher (which takes over
+    from any state as it is), the game's own plan as oracle, and `operate` with TextWorld's verbs."""
     if recipe.env == "textworld":
+        from textworld_env.env import OPERATE_VERBS, OracleAgent, TextWorldEnv
         from textworld_env.teacher import Teacher
-        return lambda env, seed: Teacher(env)
-    return ExpertAgent
-
-
-def env_tools(recipe: Recipe) -> list[dict] | None:
-    """The skills a chat model is shown in this env (None: the sandbox's)."""
-    if recipe.env == "textworld":
-        from agent.tools import tool_definitions
-        from textworld_env.env import OPERATE_VERBS
-        return tool_definitions(OPERATE_VERBS)
-    return None
+        teacher = lambda env, seed: Teacher(env)  # noqa: E731
+        return EnvParts(TextWorldEnv, teacher, teacher, lambda env, seed: OracleAgent(env),
+                        tool_definitions(OPERATE_VERBS))
+    humans = human_factory(recipe)
+    return EnvParts(lambda: SandboxEnv(human_factory=humans), ExpertAgent, sandbox_expert, sandbox_oracle, None)
 
 
 def build_rl_pool(recipe: Recipe, splits: dict[str, list[TaskInstance]], n_per_scene: int,
@@ -156,14 +166,8 @@ def build_rl_pool(recipe: Recipe, splits: dict[str, list[TaskInstance]], n_per_s
     new layouts) that no demonstration covered, and the test split stays unseen. For `env: textworld`: the
     games of the "rl" split (`textworld.pool_games_per_family` of each family; `n_per_scene` is not used)."""
     if recipe.env == "textworld":
-        tw = recipe.textworld
-        own = bar is None
-        bar = StageBar("build", enabled=show_progress) if own else bar
-        bar.phase("build rl games", len(tw.games) * tw.pool_games_per_family, unit="game")
-        pool = build_games(tw.games, "rl", tw.pool_games_per_family, tw.folder, recipe.seed, progress=bar.update)
-        if own:
-            bar.close()
-        return pool
+        return _textworld_games(recipe, {"rl": recipe.textworld.pool_games_per_family}, "build rl games",
+                                show_progress, bar)["rl"]
     cfg = build_config(recipe)
     scenes = [load_scene(s) for s in recipe.sandbox.scene_list()]
     texts = {t.instruction for split in splits.values() for t in split}
@@ -318,12 +322,12 @@ def run_distill_stage(recipe: Recipe, out: Path, tasks_dir: Path | None = None, 
     if recipe.sandbox.persona == "llm":
         persona["model"] = recipe.sandbox.persona_model.model
     t1 = time.time()
+    parts = env_parts(recipe)
     bar.phase(f"teacher {teacher_name(d.teacher)}", len(tasks), unit="ep")
     try:
         run = run_teacher(tasks, d.teacher, out / "teacher", recipe_seed=recipe.seed, concurrency=d.concurrency,
-                          human_factory=human_factory(recipe), persona=persona, restart=restart,
-                          progress=bar.update, show_progress=False, client=client,
-                          make_env=make_env_factory(recipe), expert=expert_factory(recipe), tools=env_tools(recipe))
+                          persona=persona, restart=restart, progress=bar.update, show_progress=False,
+                          client=client, make_env=parts.make_env, expert=parts.teacher, tools=parts.tools)
     except BaseException:
         bar.close()
         raise
@@ -344,7 +348,7 @@ def run_distill_stage(recipe: Recipe, out: Path, tasks_dir: Path | None = None, 
     name = teacher_name(d.teacher)
     try:
         rows, instructions = build_rows(kept, by_id, scores, name, d.validation_fraction, recipe.seed,
-                                        tools=env_tools(recipe))
+                                        tools=parts.tools)
     except DatasetBuildError as e:
         raise DatasetBuildError(f"{out}: {e} (rejected: {fstats['rejected_reasons']}; each episode's reasons are "
                                 f"in {out / 'decisions.jsonl'})") from None
@@ -555,9 +559,9 @@ def run_onpolicy_stage(recipe: Recipe, dataset: Path, init: Path, out: Path, res
     train_instr = set(about["instructions"]["train"])
     fresh = sorted({t.instruction_id for t in pool} - known_val - train_instr)
     validation = known_val | validation_instructions(fresh, recipe.distill.validation_fraction, seed)
-    make_env, tools = make_env_factory(recipe), env_tools(recipe)
+    parts = env_parts(recipe)
+    make_env, tools = parts.make_env, parts.tools
     name = teacher_name(cfg.teacher)
-    expert, oracle = _onpolicy_experts(recipe)
 
     def evaluate_student(folder: Path, label: str) -> dict:
         bar.phase(f"{label}: test split", len(test), unit="ep")
@@ -590,13 +594,13 @@ def run_onpolicy_stage(recipe: Recipe, dataset: Path, init: Path, out: Path, res
             student_client = TransformersClient(student, max_new_tokens=cfg.max_new_tokens,
                                                 temperature=cfg.temperature, seed=seed, batch_size=cfg.batch_size)
             got = collect(make_env, ChatPolicy(student_client, name="student", tools=tools),
-                          make_labeller(cfg.teacher, client, expert=expert, tools=tools),
+                          make_labeller(cfg.teacher, client, expert=parts.labeller, tools=tools),
                           tasks, seed, r, beta=cfg.beta_for(r), batch_size=cfg.batch_size, validation=validation,
                           teacher_name=name, max_error_share=cfg.max_teacher_error_share, progress=bar.update)
             # 2. how recoverable are the states it reached?
             bar.phase(f"round {r}: expert takes over", 1, unit="run")
             took = takeover(make_env, got.played.trajectories, {t.id: t for t in tasks}, seed * 1000 + r,
-                            cfg.takeover_episodes, expert=expert, oracle=oracle)
+                            cfg.takeover_episodes, expert=parts.labeller, oracle=parts.oracle)
             bar.update(1)
             write_jsonl(rd / "trajectories.jsonl", got.played.trajectories)
             write_text_atomic(rd / "rows.jsonl", "".join(json.dumps(x) + "\n" for s in ("train", "validation")
@@ -638,15 +642,6 @@ def run_onpolicy_stage(recipe: Recipe, dataset: Path, init: Path, out: Path, res
     write_json(out / "metrics.json", metrics)
     write_json(out / "manifest.json", {"stage": "onpolicy", "init": str(init), **key, "rounds": cfg.rounds})
     return metrics
-
-
-def _onpolicy_experts(recipe: Recipe):
-    """(the teacher that labels any state, the oracle that says whether a state is still solvable) of the env."""
-    if recipe.env == "textworld":
-        from textworld_env.env import OracleAgent
-        from textworld_env.teacher import Teacher
-        return (lambda env, seed: Teacher(env)), (lambda env, seed: OracleAgent(env))
-    return sandbox_expert, sandbox_oracle
 
 
 def write_onpolicy_dataset(recipe: Recipe, dataset: Path, out: Path, rows: list[dict], validation: set[str],
@@ -694,11 +689,11 @@ def make_rl_trainer(recipe: Recipe, out: Path, init: Path, algorithm: str | None
     pool = splits["train"] if cfg.task_pool == "train" else build_rl_pool(recipe, splits,
                                                                         cfg.pool_instructions_per_scene, bar=bar)
     compositional = compositional_ids(recipe, splits)
+    parts = env_parts(recipe)
     return GiGPOTrainer(cfg, init, out, pool, splits["test"], make_reward_engine(recipe),
                         seed=recipe.seed if seed is None else seed, eval_seed=recipe.eval.seed,
-                        compositional=compositional, human_factory=human_factory(recipe), name=recipe.name,
-                        resume=resume, restart=restart, show_progress=show_progress, cpu=cpu, bar=bar,
-                        make_env=make_env_factory(recipe), tools=env_tools(recipe))
+                        compositional=compositional, name=recipe.name, resume=resume, restart=restart,
+                        show_progress=show_progress, cpu=cpu, bar=bar, make_env=parts.make_env, tools=parts.tools)
 
 
 def run_rl_stage(recipe: Recipe, out: Path, init: Path, **options) -> dict:

@@ -145,7 +145,8 @@ class GiGPOTrainer:
     `compositional`: ids of test tasks whose targets were never targets in training (their evaluation block).
     `seed` (plus the config's `seed_offset`) seeds every draw; `eval_seed` the evaluation episodes and the
     pool sample, the same for every seed and algorithm. `human_factory(compiled)` makes who answers the agent
-    (default: the rule persona). Progress shows on `bar` (the RL stage's bar), or a bar of its own."""
+    (default: the rule persona). `make_env` and `tools`: another env than the sandbox (TextWorld: its env and
+    its skills). Progress shows on `bar` (the RL stage's bar), or a bar of its own."""
 
     def __init__(self, config: GiGPOConfig, init: str | Path, out: str | Path, train_tasks: list, eval_tasks: list,
                  reward_engine, *, seed: int = 0, eval_seed: int = 0, compositional=(), human_factory=None,
@@ -158,7 +159,7 @@ class GiGPOTrainer:
         self.init, self.out = Path(init), Path(out)
         self.seed = seed + config.seed_offset
         self.eval_seed = eval_seed
-        self.rewarder, self.human_factory = reward_engine, human_factory
+        self.rewarder = reward_engine
         self.name = name
         self.resume, self.restart = resume, restart
         self.show_progress, self.cpu, self.bar = show_progress, cpu, bar
