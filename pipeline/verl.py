@@ -34,6 +34,8 @@ def resolve_recipe(path: str | Path) -> Path:
 def episode_setup(recipe_path: str | Path) -> EpisodeSetup:
     """What the sandbox agent loop plays episodes with: the recipe's `rl:` settings, seed, judge and persona."""
     recipe = load_recipe(resolve_recipe(recipe_path))
+    if recipe.env != "sandbox":
+        raise ValueError(f"{recipe_path}: env: {recipe.env}: the verl agent loop plays the sandbox only")
     return EpisodeSetup(config=recipe.rl, seed=recipe.seed, rewarder=make_reward_engine(recipe),
                         human_factory=human_factory(recipe))
 
@@ -49,6 +51,9 @@ def write_dataset(recipe_path: str | Path, out: str | Path, show_progress: bool 
     from datasets import Dataset  # 0.6 s to import: only this command needs it
 
     recipe = load_recipe(recipe_path)
+    if recipe.env != "sandbox":
+        raise ValueError(f"{recipe_path}: env: {recipe.env}: the verl agent loop plays the sandbox only; train on "
+                         "TextWorld with `embodistill rl` (the built-in GiGPO trainer)")
     splits = build_tasks(recipe, show_progress=show_progress)[0]
     diffs = set(recipe.rl.difficulties or ("easy", "medium", "hard"))
     train = [t for t in splits["train"] if t.difficulty in diffs]
