@@ -111,6 +111,9 @@ def run_oracle_labels(recipe: Recipe, out: Path, policies: tuple[str, ...] = ("e
     """Build the recipe's tasks, play them with each policy and write trajectories + oracle labels."""
     if split not in ("train", "test", "all"):
         raise ValueError(f"split must be train, test or all, not {split!r}")
+    if recipe.env != "sandbox":
+        raise ValueError(f"recipe {recipe.name}: env: {recipe.env}: oracle labels read the sandbox's true state; "
+                         "use a sandbox recipe")
     splits, _ = build_tasks(recipe, show_progress=show_progress)
     tasks = splits["train"] + splits["test"] if split == "all" else splits[split]
     tasks = tasks[:limit] if limit else tasks
