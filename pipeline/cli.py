@@ -46,7 +46,9 @@ def build(recipe: Path = typer.Argument(..., help="recipe YAML"),
         stats = write_build(r, out, show_progress=not quiet)
     except RecipeError as e:
         _fail(str(e))
-    typer.echo(json.dumps({k: stats[k] for k in ("total", "accepted", "rejected", "expert_solved", "splits")}))
+    keys = ("games", "families", "folder") if r.env == "textworld" else ("total", "accepted", "rejected",
+                                                                         "expert_solved", "splits")
+    typer.echo(json.dumps({k: stats[k] for k in keys}))
 
 
 def _pixel_recipe(recipe: Path, episodes: int):

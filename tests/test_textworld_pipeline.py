@@ -54,8 +54,7 @@ def test_a_textworld_recipe_is_checked_by_field_and_line(tmp_path, games_folder)
     good.write_text(RECIPE.replace("GAMES", str(games_folder)))
     r = load_recipe(good)
     assert r.env == "textworld" and [f.label for f in r.textworld.games] == ["custom", "coin_collector"]
-    cases = {"env: textworld\n": ("env: textworld\ntextworld: null\n", "textworld: section"),
-             "level: [1, 4]": ("level: [4, 1]", "lo <= hi"),
+    cases = {"level: [1, 4]": ("level: [4, 1]", "lo <= hi"),
              "world_size: [2, 4]": ('world_size: "3"', "world_size"),
              "train_games_per_family: 3": ("train_games_per_family: 0", "train_games_per_family")}
     for old, (new, says) in cases.items():
@@ -64,6 +63,10 @@ def test_a_textworld_recipe_is_checked_by_field_and_line(tmp_path, games_folder)
         with pytest.raises(RecipeError, match=says) as e:
             load_recipe(bad)
         assert str(bad) in str(e.value)
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("name: bare\nenv: textworld\n")
+    with pytest.raises(RecipeError, match="needs a textworld: section"):
+        load_recipe(bare)
     sandbox = tmp_path / "sb.yaml"
     sandbox.write_text(good.read_text().replace("env: textworld\n", ""))
     with pytest.raises(RecipeError, match="needs env: textworld"):
