@@ -94,9 +94,11 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
     if env.startswith("textworld:"):
         _eval_textworld(recipe, env.split(":", 1)[1], policy, out, quiet)
         return
-    if policy not in ("expert", "random") and not spec and not (Path(policy) / "config.json").is_file():
+    if policy not in ("expert", "random", "oracle") and not spec and not (Path(policy) / "config.json").is_file():
         _fail(f"--policy must be expert, random, a model folder with config.json or a client spec file (.yaml), "
-              f"not {policy!r}")
+              f"not {policy!r} (oracle: TextWorld only)")
+    if policy == "oracle" and env != "sandbox":
+        _fail("--policy oracle is the TextWorld game's own plan: --env textworld:PATH or a textworld recipe")
     if env.startswith("babyai:"):
         # the pixel extra (minigrid): imported only when asked for
         from evaluation.babyai import LEVELS, VIEWS, evaluate_babyai
@@ -143,6 +145,9 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
         _fail(f"--split must be train or test, not {split!r}")
     try:
         r = load_recipe(recipe)
+        if policy == "oracle" and r.env != "textworld":
+            _fail("--policy oracle is the TextWorld game's own plan: a recipe with env: textworld, or "
+                  "--env textworld:PATH")
         m = run_eval(r, load_client_spec(policy) if spec else policy, split, out, tasks, show_progress=not quiet)
     except RecipeError as e:
         _fail(str(e))
