@@ -143,6 +143,11 @@ def test_the_objective_reads_into_steps():
     assert goal_steps("The dinner is almost ready! It's only missing a grilled carrot.") == [
         Step("take", "carrot"), Step("put", "carrot", "stove")]
     assert goal_steps("") == []
+    assert goal_steps("Then, insert the old key into the wooden door's lock to unlock it. After that, Deposit the "
+                      "latchkey into the safe within the studio to lock it. Next, insert the American style passkey "
+                      "into the American style box in the canteen's lock to unlock it.") == [
+        Step("unlock", "wooden door", "old key"), Step("lock", "safe", "latchkey"),
+        Step("unlock", "american style box", "american style passkey")]
 
 
 @pytest.mark.parametrize("name", list(SPECS))

@@ -49,6 +49,10 @@ def goal_steps(objective: str) -> list[Step]:
             steps.append(Step("take", _name(m.group(1)), _name(m.group(2) or "")))
         elif m := re.search(r"\b(?:place|drop|ditch|throw|toss|deposit) the (.+?) on the floor of the (.+)$", clause):
             steps.append(Step("drop", _name(m.group(1)), _name(m.group(2))))
+        # a key into a lock: "insert the key into the wooden door's lock to unlock it", "... the safe to lock it"
+        elif m := re.search(r"\b(?:insert|put|place|deposit) the (.+?) into the (.+?) to (unlock|lock) it$", clause):
+            target = re.sub(r"'s lock$", "", _name(re.sub(r"'s lock$", "", m.group(2))))
+            steps.append(Step(m.group(3), _name(target), _name(m.group(1))))
         # put before insert: "place the X on the Y inside the kitchen" ends with the room, not a container
         elif m := re.search(r"\b(?:put|place|sit|rest) the (.+?) (?:on|upon) the (.+)$", clause):
             steps.append(Step("put", _name(m.group(1)), _name(m.group(2))))
