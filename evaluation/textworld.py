@@ -85,8 +85,7 @@ def make_policy(policy: str, constrained: bool = False, max_new_tokens: int = 96
     """expert | oracle | random | a model folder (greedy, with TextWorld's `operate` actions in its tools)."""
     from textworld_env.env import OPERATE_VERBS, OracleAgent, RandomAgent
     from textworld_env.teacher import Teacher
-    scripted = {"expert": lambda env, seed: Teacher(env), "oracle": lambda env, seed: OracleAgent(env),
-                "random": lambda env, seed: RandomAgent(env, seed)}
+    scripted = {"expert": Teacher, "oracle": OracleAgent, "random": RandomAgent}
     if policy in scripted:
         return ScriptedPolicy(scripted[policy], name=policy)
     if not (Path(policy) / "config.json").is_file():

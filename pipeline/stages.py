@@ -151,9 +151,7 @@ def env_parts(recipe: Recipe) -> EnvParts:
     if recipe.env == "textworld":
         from textworld_env.env import OPERATE_VERBS, OracleAgent, TextWorldEnv
         from textworld_env.teacher import Teacher
-        teacher = lambda env, seed: Teacher(env)  # noqa: E731
-        return EnvParts(TextWorldEnv, teacher, teacher, lambda env, seed: OracleAgent(env),
-                        tool_definitions(OPERATE_VERBS))
+        return EnvParts(TextWorldEnv, Teacher, Teacher, OracleAgent, tool_definitions(OPERATE_VERBS))
     humans = human_factory(recipe)
     return EnvParts(lambda: SandboxEnv(human_factory=humans), ExpertAgent, sandbox_expert, sandbox_oracle, None)
 

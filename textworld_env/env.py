@@ -130,8 +130,8 @@ class TextWorldEnv(gym.Env):
         import textworld
         super().reset(seed=seed)
         task = (options or {}).get("task") or self._task
-        if hasattr(task, "model_dump"):      # a `textworld_env.games.GameTask`
-            task = task.model_dump()
+        if not isinstance(task, dict):       # a `textworld_env.games.GameTask`
+            task = {"id": task.id, "game": task.game, "difficulty": task.difficulty, "scene": task.scene}
         if not task:
             raise ValueError("TextWorldEnv.reset needs options={'task': {'id': ..., 'game': PATH}} the first time")
         path = Path(task["game"])
@@ -397,9 +397,9 @@ def call_for_command(command: str, belief: Belief) -> dict | None:
 class OracleAgent:
     """Plays the game's own plan from wherever the episode is (`TextWorldEnv.oracle_commands`), through the
     skills: the oracle baseline, and the proof that a game is solvable in its budget. For
-    `agent.policies.ScriptedPolicy(lambda env, seed: OracleAgent(env), "oracle")`."""
+    `agent.policies.ScriptedPolicy(OracleAgent, "oracle")` (the seed is not used: the plan is the game's)."""
 
-    def __init__(self, env: TextWorldEnv):
+    def __init__(self, env: TextWorldEnv, seed: int = 0):
         self.env = env
 
     def act(self, info: dict) -> tuple[str, dict]:
@@ -416,7 +416,7 @@ class OracleAgent:
 
 class RandomAgent:
     """A random choice among the admissible commands that a skill stands for: the floor any policy must beat.
-    For `agent.policies.ScriptedPolicy(lambda env, seed: RandomAgent(env, seed), "random")`."""
+    For `agent.policies.ScriptedPolicy(RandomAgent, "random")`."""
 
     def __init__(self, env: TextWorldEnv, seed: int):
         self.env, self.rng = env, random.Random(seed)

@@ -209,10 +209,6 @@ class GameTask(BaseModel):
     def layout_id(self) -> str:
         return self.id
 
-    def model_dump(self, **kwargs):   # what `TextWorldEnv.reset` reads, with the properties
-        out = super().model_dump(**kwargs)
-        return {**out, "difficulty": self.family, "scene": self.spec.kind}
-
 
 def split_seed(split: str, recipe_seed: int, family: int, i: int) -> int:
     """The tw-make seed of game `i` of family `family` in a split: splits, recipe seeds (< 100) and families

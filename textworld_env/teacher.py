@@ -6,7 +6,7 @@ what it saw), exploring the nearest unvisited exit when a thing it needs has not
 (`policy_commands`) is never read here: that is the oracle's (`textworld_env.env.OracleAgent`).
 
     from agent.policies import ScriptedPolicy
-    teacher = ScriptedPolicy(lambda env, seed: Teacher(env), "textworld-teacher", as_text=True)
+    teacher = ScriptedPolicy(Teacher, "textworld-teacher", as_text=True)
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def goal_steps(objective: str) -> list[Step]:
 class Teacher:
     """Carries out the objective's steps from the agent's map; for `agent.policies.ScriptedPolicy`."""
 
-    def __init__(self, env: TextWorldEnv):
+    def __init__(self, env: TextWorldEnv, seed: int = 0):   # a scripted agent's signature; it draws nothing
         self.env = env
         self.steps: list[Step] | None = None
         self.done = 0                      # steps carried out
