@@ -83,16 +83,18 @@ def test_the_map_holds_only_what_the_agent_saw(games):
 
 def test_bad_calls_are_typed_errors_and_the_budget_truncates(games):
     env = TextWorldEnv()
-    _, info = env.reset(options={"task": {"id": "coin", "game": str(games["coin"]), "step_budget": 4}})
-    key = info["state_key"]
+    _, info = env.reset(options={"task": {"id": "coin", "game": str(games["coin"]), "step_budget": 6}})
+    key, room = info["state_key"], env.belief.place
     cases = [({"name": "pick_up", "arguments": {"object": "dragon"}}, "unknown_entity"),
              ({"name": "navigate", "arguments": {"target": "moon"}}, "unknown_entity"),
+             ({"name": "pick_up", "arguments": {"object": room}}, "unknown_entity"),    # a room is no thing
+             ({"name": "inspect", "arguments": {"target": room}}, None),                # looks around it
              ({"name": "talk_to", "arguments": {"person": "x", "topic": "y"}}, "precondition_unmet"),
              ({"parse_error": "no tool call"}, "parse_error")]
     for step, (call, error) in enumerate(cases, 1):
         _, reward, terminated, truncated, info = env.step(call)
         assert info["error"] == error and reward == 0.0 and not terminated
-        assert truncated == (step == 4)
+        assert truncated == (step == 6)
     assert info["state_key"] == key          # nothing happened in the game
 
 

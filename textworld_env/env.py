@@ -213,9 +213,11 @@ class TextWorldEnv(gym.Env):
         if name in ("talk_to", "ask_for_help", "report"):
             return f"There is no one to answer {name} in this game.", "precondition_unmet"
         target = str(args.get("object") or args.get("target") or args.get("device") or "")
-        if target not in b.things and target != b.place:
+        if target == b.place and target not in b.things and name == "inspect":
+            return self._send("look")               # the room itself
+        if target not in b.things:                  # a room is no thing to take, open, put or operate
             return f"I know no {target!r} here or anywhere I have been.", "unknown_entity"
-        tname = b.things[target][0] if target in b.things else ""
+        tname = b.things[target][0]
         if name == "inspect":
             return self._send(f"examine {tname}")
         if name == "pick_up":
