@@ -135,7 +135,10 @@ def task_objects(instruction: str, known: dict) -> str:
     names += [_words(x) for pid, lms in known.get("landmarks", {}).items() for x in [pid, *lms]]
     names += [_words(c[0]) for c in known.get("connections", ())]
     names += [_words(x) for p in known.get("people", ()) for x in p[:2]]
-    for phrase in named_phrases(instruction):
+    # an env whose instructions are free prose names the things its task is about (`task_phrases`); else the
+    # phrases after "the"/"a"/"an" are those things
+    phrases = known.get("task_phrases")
+    for phrase in named_phrases(instruction) if phrases is None else phrases:
         if not any(_covers(n, phrase) for n in names):
             entries.append((said.find(_words(phrase)), f"{phrase} not seen"))
     entries.sort(key=lambda e: e[0])

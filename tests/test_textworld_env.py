@@ -115,7 +115,8 @@ def test_the_one_episode_loop_plays_textworld_with_the_shared_prompt_and_parser(
     from agent.episode import play
     from agent.policies import ScriptedPolicy
     from textworld_env.env import OracleAgent
-    policy = ScriptedPolicy(lambda env, seed: OracleAgent(env), "oracle", as_text=True)
+    from textworld_env.objective import goal_steps, step_things
+    policy = ScriptedPolicy(OracleAgent, "oracle", as_text=True)
     starts = [({"task": {"id": name, "game": str(path)}}, i) for i, (name, path) in enumerate(sorted(games.items()))]
     played = play(TextWorldEnv, policy, starts)
     assert [t.success for t in played.trajectories] == [True] * len(games)
@@ -123,12 +124,17 @@ def test_the_one_episode_loop_plays_textworld_with_the_shared_prompt_and_parser(
         first = traj.turns[0]
         prompt = first.prompt[-1]["content"] if isinstance(first.prompt, list) else str(first.prompt)
         assert "Task: " + traj.instruction in prompt and "At: " in prompt
+        # the task's things, as its steps name them; not the nouns of its prose ("textworld today", "trip east")
+        line = next(ln for ln in prompt.splitlines() if ln.startswith("Task objects: "))
+        unseen = [e.removesuffix(" not seen") for e in line.removeprefix("Task objects: ").split("; ")
+                  if e.endswith(" not seen")]
+        assert unseen and set(unseen) <= set(step_things(goal_steps(traj.instruction))), (line, traj.instruction)
         assert all(t.error is None for t in traj.turns)
         assert len(traj.turns) <= traj.optimal_steps + 1
 
 
 def test_the_objective_reads_into_steps():
-    from textworld_env.teacher import Step, goal_steps
+    from textworld_env.objective import Step, goal_steps
     text = ("Hey, thanks for coming over to the TextWorld today, there is something I need you to do for me. First "
             "of all, you could, like, look and see that the antique trunk inside the bedroom is opened. Then, recover "
             "the old key from the antique trunk. Then, make absolutely sure that the wooden door inside the bedroom "

@@ -26,6 +26,8 @@ from pathlib import Path
 import gymnasium as gym
 from gymnasium import spaces
 
+from textworld_env.objective import goal_steps, step_things
+
 DIRECTIONS = ("north", "south", "east", "west")
 OPPOSITE = {"north": "south", "south": "north", "east": "west", "west": "east"}
 # verbs no other skill covers, taken by `operate(device, action)`
@@ -61,6 +63,7 @@ class Belief:
     landmarks: dict[str, list[str]] = field(default_factory=dict)          # room id -> supporter/container ids
     kinds: dict[str, str] = field(default_factory=dict)                    # id -> TextWorld type (s, c, k, f, o, ...)
     learned: set[str] = field(default_factory=set)
+    task_things: list[str] = field(default_factory=list)  # what the objective's steps name (its text says so)
 
     def exit_id(self, room: str, direction: str) -> str:
         return self.leads.get((room, direction)) or f"{room}_{direction}"
@@ -105,7 +108,7 @@ class Belief:
                    if not is_landmark(self.kinds.get(i, "o")) and self.kinds.get(i) != "d"]
         return {"place": self.place, "holding": held, "places": places, "landmarks": dict(self.landmarks),
                 "connections": connections, "unvisited": self.unvisited(), "objects": objects, "people": [],
-                "facts": sorted(self.learned)}
+                "facts": sorted(self.learned), "task_phrases": list(self.task_things)}
 
 
 class TextWorldEnv(gym.Env):
@@ -151,6 +154,8 @@ class TextWorldEnv(gym.Env):
                       "optimal_steps": len(walkthrough), "subgoals": [],
                       "step_budget": int(task.get("step_budget") or max(10, 3 * len(walkthrough)))}
         self.belief, self.steps, self.done, self.won = Belief(), 0, False, False
+        # the prompt's `Task objects` line: the things the objective's steps name (not every noun of its prose)
+        self.belief.task_things = step_things(goal_steps(self._state.objective or ""))
         self._update(self._state)
         self._last_obs = self._describe()
         info = self._info(error=None, learned=sorted(self.belief.learned))
