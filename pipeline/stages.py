@@ -564,7 +564,8 @@ def run_onpolicy_stage(recipe: Recipe, dataset: Path, init: Path, out: Path, res
     def evaluate_student(folder: Path, label: str) -> dict:
         bar.phase(f"{label}: test split", len(test), unit="ep")
         m, trajs = evaluate(test, str(folder), seed=recipe.eval.seed, progress=bar.update,
-                            batch_size=cfg.batch_size, make_env=make_env, tools=tools)
+                            batch_size=cfg.batch_size, make_env=make_env, tools=tools,
+                            constrained=recipe.eval.constrained)   # decoded as `embodistill eval` decodes
         return _tsr_by_block(trajs, compositional)
 
     rounds = []
