@@ -3,15 +3,17 @@
     python benchmarks/textworld_eval.py                    # 8 games of each kind below, seeds from 1000
     python benchmarks/textworld_eval.py --games 30 --seed 5000
     python benchmarks/textworld_eval.py --student zero-shot=outputs/medium/rl/final   # a student as another row
+    python benchmarks/textworld_eval.py --kinds cooking --games 20 --constrained --student sft=DIR   # cooking only
 
 Builds games with `tw-make` (cached under `--out`, by spec) and evaluates each policy on all of them with
 `evaluation.textworld.evaluate_textworld` (the one episode loop): the teacher (`textworld_env.teacher`: the
 objective and what the agent saw), the oracle (the game's own plan from the current state), random choices among
 the admissible commands that a skill stands for, and any `--student` model folders. Prints one JSON object: per
 kind (tw-simple with detailed / brief / no goal, coin collector levels 1-30, treasure hunter levels 1-20, custom
-games with world size <= 8 and quest length <= 6) and policy the games won with a Wilson 95% interval, the score
-ratio, steps and their ratio to the walkthrough's length, the invalid-call and loop rates; seeds that admit no
-quest are skipped and counted; and the env's steps per second (env time only).
+games with world size <= 8 and quest length <= 6; cooking games of 1-3 ingredients only with `--kinds cooking`)
+and policy the games won with a Wilson 95% interval, the score ratio, steps and their ratio to the walkthrough's
+length, the invalid-call and loop rates; seeds that admit no quest are skipped and counted; and the env's steps
+per second (env time only). `--constrained`: students decode as `recipes/textworld.yaml` evaluates them.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def kinds(n: int, seed: int) -> dict[str, list]:
         custom.append(GameSpec(kind="custom", world_size=world, nb_objects=rng.randint(world, 2 * world + 4),
                                quest_length=rng.randint(1, 6), seed=seed + i))
     out["custom"] = custom
+    # cooking: verbs no navigation skill covers (slice, dice, cook, prepare, eat) go through `operate`
+    out["cooking"] = [GameSpec(kind="cooking", recipe=rng.randint(1, 3), seed=seed + i) for i in range(n)]
     return out
 
 
@@ -55,6 +59,10 @@ def main() -> None:
     ap.add_argument("--student", action="append", default=[], metavar="NAME=PATH",
                     help="also evaluate a model folder as row NAME (repeatable): sft=..., onpolicy=..., gigpo=..., "
                          "zero-shot=... (a sandbox-trained student)")
+    ap.add_argument("--kinds", nargs="+", default=None, metavar="KIND",
+                    help="only these kinds (default: all but cooking, which is reported on its own: --kinds cooking)")
+    ap.add_argument("--constrained", action="store_true",
+                    help="students decode constrained (agent.constrained), as recipes/textworld.yaml evaluates them")
     ap.add_argument("--eval-out", default=None, help="where each policy's evaluation folder goes (default: a "
                                                      "folder beside --out named eval-SEED-GAMES)")
     args = ap.parse_args()
@@ -62,7 +70,12 @@ def main() -> None:
 
     t0 = time.time()
     games, skipped = [], {}
-    for kind, specs in kinds(args.games, args.seed).items():
+    table = kinds(args.games, args.seed)
+    wanted = args.kinds or [k for k in table if k != "cooking"]
+    unknown = sorted(set(wanted) - set(table))
+    if unknown:
+        ap.error(f"--kinds: unknown {', '.join(unknown)} (choose from {', '.join(table)})")
+    for kind, specs in ((k, table[k]) for k in wanted):
         for spec in specs:
             try:
                 games.append(make_game(spec, args.out))
@@ -71,11 +84,13 @@ def main() -> None:
     build_s = time.time() - t0
     eval_out = Path(args.eval_out or Path(args.out).parent / f"eval-{args.seed}-{args.games}")
     report: dict = {"benchmark": "textworld_eval", "games_per_kind": args.games, "first_seed": args.seed,
+                    "kinds_asked": wanted, "students_constrained": args.constrained,
                     "games": len(games), "build_seconds": round(build_s, 1), "no_quest_skipped": skipped,
                     "kinds": {}, "all": {}}
     steps_per_s = {}
     for name, policy in {"teacher": "expert", "oracle": "oracle", "random": "random", **students}.items():
-        m = evaluate_textworld(games, policy, eval_out / name, seed=0)
+        m = evaluate_textworld(games, policy, eval_out / name, seed=0,
+                               constrained=args.constrained and name in students)
         for kind, block in m["by_type"].items():
             report["kinds"].setdefault(kind, {})[name] = block
         report["all"][name] = m["all"]
