@@ -503,8 +503,7 @@ class GiGPOTrainer:
             h.update(str(f.stat().st_size).encode())
             h.update(str(f.stat().st_mtime_ns).encode())
         for tasks in (self.test, self.pool_eval):   # a sandbox task, or a TextWorld game (its file and spec)
-            h.update(json.dumps([[t.id, t.instruction, t.step_budget] if hasattr(t, "instruction")
-                                 else [t.id, t.game, t.spec.key] for t in tasks]).encode())
+            h.update(json.dumps([t.fingerprint for t in tasks]).encode())
         h.update(json.dumps(sorted(self.compositional)).encode())
         # the episode seeds: `episode_seed(eval_seed, task id)` ("task-id"; before 2026-12-06 they came from the
         # task's position, and a cache made so must not look current)

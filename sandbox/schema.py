@@ -402,6 +402,11 @@ class TaskInstance(Strict):
             raise ValueError("subgoals: at least one subgoal is required")
         return self
 
+    @property
+    def fingerprint(self) -> list:
+        """What a cached evaluation of this task depends on (`rl.trainer`'s initial evaluation)."""
+        return [self.id, self.instruction, self.step_budget]
+
 
 # ----------------------------------------------------------------------------- scene packs (data files)
 

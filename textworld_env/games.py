@@ -209,6 +209,11 @@ class GameTask(BaseModel):
     def layout_id(self) -> str:
         return self.id
 
+    @property
+    def fingerprint(self) -> list:
+        """What a cached evaluation of this game depends on: its id, file and spec."""
+        return [self.id, self.game, self.spec.key]
+
 
 def split_seed(split: str, recipe_seed: int, family: int, i: int) -> int:
     """The tw-make seed of game `i` of family `family` in a split: splits, recipe seeds (< 100) and families
