@@ -57,16 +57,22 @@ def train(recipe: Path, log: Path, threads: int) -> dict:
 
 
 def evaluate(recipe_path: Path, model: Path, out: Path) -> dict | None:
-    """The student at `model` on the recipe's test games (reused when done for this very model)."""
+    """The student at `model` on the recipe's test games (reused only when done for this very model file and
+    recipe)."""
     from pipeline.recipe import load_recipe
-    from pipeline.stages import run_eval
-    if not (model / "config.json").is_file():
+    from pipeline.stages import recipe_hash, run_eval
+    weights = model / "model.safetensors"
+    if not (model / "config.json").is_file() or not weights.is_file():
         return None
-    stamp = (model / "model.safetensors").stat().st_mtime if (model / "model.safetensors").is_file() else 0
-    done = out / "metrics.json"
-    if done.is_file() and done.stat().st_mtime > stamp:
+    recipe = load_recipe(recipe_path)
+    key = {"model": str(model), "mtime_ns": weights.stat().st_mtime_ns, "recipe": recipe_hash(recipe)}
+    done, key_file = out / "metrics.json", out / "benchmark_key.json"
+    if done.is_file() and key_file.is_file() and json.loads(key_file.read_text()) == key:
         return json.loads(done.read_text())
-    return run_eval(load_recipe(recipe_path), str(model), "test", out, show_progress=False)
+    key_file.unlink(missing_ok=True)
+    m = run_eval(recipe, str(model), "test", out, show_progress=False)
+    key_file.write_text(json.dumps(key))
+    return m
 
 
 def row(m: dict) -> dict:
