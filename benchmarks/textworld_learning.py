@@ -36,10 +36,13 @@ sys.path.insert(0, str(ROOT))
 STAGES = {"sft": "sft/final", "onpolicy": "onpolicy/final", "gigpo": "rl/gigpo/final"}
 
 
-def seed_recipe(base: Path, seed: int, out: Path) -> Path:
-    """The recipe at `base` with its own name and training seed (the games are the same)."""
+def seed_recipe(base: Path, seed: int, out: Path, threads: int) -> Path:
+    """The recipe at `base` with its own name and training seed (the games are the same), training on `threads`
+    threads (`sft.threads`, `rl.threads`: seeds side by side must not each take every core)."""
     data = yaml.safe_load(base.read_text())
     data["name"], data["seed"] = f"{data['name']}-seed{seed}", seed
+    data.setdefault("sft", {})["threads"] = threads
+    data.setdefault("rl", {})["threads"] = threads
     path = out / "recipes" / f"{data['name']}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -99,7 +102,7 @@ def main() -> None:
     ap.add_argument("--eval-only", action="store_true", help="evaluate the students already trained")
     args = ap.parse_args()
     out = ROOT / args.out
-    recipes = {s: seed_recipe(ROOT / args.recipe, s, out) for s in args.seeds}
+    recipes = {s: seed_recipe(ROOT / args.recipe, s, out, args.threads) for s in args.seeds}
     runs = {}
     if not args.eval_only:
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:

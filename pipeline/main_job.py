@@ -34,8 +34,9 @@ UPSTREAM_FAILED = "upstream_failed.txt"
 
 
 @contextmanager
-def alone() -> Iterator[None]:
-    """Run a stage in this process as a one-process run on every core, then leave no trace for the next one.
+def alone(threads: int | None = None) -> Iterator[None]:
+    """Run a stage in this process as a one-process run on every core (or on `threads`: the recipe's
+    `sft.threads`, for runs side by side), then leave no trace for the next one.
 
     A stage that trains (TRL's SFTTrainer) sets up accelerate's process-wide state and environment variables
     (its mixed precision among them) which the RL trainer's `Accelerator` would otherwise inherit; and
@@ -44,16 +45,16 @@ def alone() -> Iterator[None]:
     import torch
     from accelerate.state import AcceleratorState, GradientState
 
-    saved, threads = dict(os.environ), torch.get_num_threads()
+    saved, before = dict(os.environ), torch.get_num_threads()
     for key in DIST_VARS:
         os.environ.pop(key, None)
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
     try:
         yield
     finally:
         os.environ.clear()
         os.environ.update(saved)
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
 
@@ -115,7 +116,7 @@ def make_upstream(recipe: Recipe, init: Path, own: bool, quiet: bool) -> list[di
                       "onpolicy/final) or an earlier RL run (OUT/final); `rl.init: sft` or `onpolicy` makes it on "
                       "the fly")
     rows = []
-    with alone():
+    with alone(recipe.sft.threads):
         dataset = distill_dir / "dataset"
         if distill_complete(distill_dir):
             rows.append(_distill_row(recipe, distill_dir, cached=True))
