@@ -263,9 +263,9 @@ def rl_stage(args) -> None:
     final = {alg: {r["seed"]: r["final"]["all"]["tsr"] for r in runs[alg] if r["final"]} for alg in runs}
     paired = sorted(set(final["gigpo"]) & set(final["grpo"]))
     report["seed_spread"] = {
-        "gigpo_gain_over_start_points": _spread([100 * (t - start_tsr) for t in final["gigpo"].values()]),
-        "grpo_gain_over_start_points": _spread([100 * (t - start_tsr) for t in final["grpo"].values()]),
-        "gigpo_over_grpo_points_paired": _spread([100 * (final["gigpo"][s] - final["grpo"][s]) for s in paired])}
+        "gigpo_gain_over_start_points": spread([100 * (t - start_tsr) for t in final["gigpo"].values()]),
+        "grpo_gain_over_start_points": spread([100 * (t - start_tsr) for t in final["grpo"].values()]),
+        "gigpo_over_grpo_points_paired": spread([100 * (final["gigpo"][s] - final["grpo"][s]) for s in paired])}
     # the main job's parts, when this invocation ran them all (nothing cached or resumed)
     first = runs["gigpo"][0]["seconds"] if runs["gigpo"] else 0.0
     # (not with --jobs > 1: a run sharing the cores with others does not time the main job)
@@ -326,11 +326,11 @@ def onpolicy_stage(args) -> None:
     report["test_episodes"] = {b: results[0]["rounds"][0]["test"][b]["episodes"] for b in blocks
                                if b in results[0]["rounds"][0]["test"]}
     report["test_tsr"] = {
-        "sft": {b: _spread([100 * tsr(r, first, b) for r in results if tsr(r, first, b) is not None])
+        "sft": {b: spread([100 * tsr(r, first, b) for r in results if tsr(r, first, b) is not None])
                 for b in blocks},
-        "onpolicy": {b: _spread([100 * tsr(r, last, b) for r in results if tsr(r, last, b) is not None])
+        "onpolicy": {b: spread([100 * tsr(r, last, b) for r in results if tsr(r, last, b) is not None])
                      for b in blocks}}
-    report["gain_points_paired"] = _spread([100 * (tsr(r, last, "all") - tsr(r, first, "all")) for r in results])
+    report["gain_points_paired"] = spread([100 * (tsr(r, last, "all") - tsr(r, first, "all")) for r in results])
     report["acceptance"] = {"onpolicy_tsr_ge_0.85": report["test_tsr"]["onpolicy"]["all"]["mean"] is not None and
                             report["test_tsr"]["onpolicy"]["all"]["mean"] >= 85,
                             "seeds_ge_3": len(args.seeds) >= 3,
@@ -442,7 +442,7 @@ def _fields(pairs: list[str]) -> dict:
     return out
 
 
-def _spread(points: list[float]) -> dict:
+def spread(points: list[float]) -> dict:
     """Per-seed values, their mean and the standard error of the mean (None with fewer than two seeds)."""
     import statistics
     n = len(points)

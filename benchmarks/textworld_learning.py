@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -85,14 +84,8 @@ def row(m: dict) -> dict:
             "by_family": {k: v["won_rate"] for k, v in m["by_type"].items()}}
 
 
-def spread(points: list[float]) -> dict:
-    """Per-seed values (points), their mean and the standard error of the mean (n - 1 in the variance)."""
-    n = len(points)
-    return {"per_seed": [round(p, 1) for p in points], "mean": round(statistics.fmean(points), 1) if n else None,
-            "stderr": round(statistics.stdev(points) / n ** 0.5, 1) if n > 1 else None}
-
-
 def main() -> None:
+    from learning import spread   # benchmarks/learning.py: per-seed values, their mean and standard error
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", default="recipes/textworld.yaml")
     ap.add_argument("--out", default="outputs/textworld-learning")

@@ -691,6 +691,7 @@ def make_rl_trainer(recipe: Recipe, out: Path, init: Path, algorithm: str | None
     parts = env_parts(recipe)
     return GiGPOTrainer(cfg, init, out, pool, splits["test"], make_reward_engine(recipe),
                         seed=recipe.seed if seed is None else seed, eval_seed=recipe.eval.seed,
+                        eval_constrained=recipe.eval.constrained,
                         compositional=compositional, name=recipe.name, resume=resume, restart=restart,
                         show_progress=show_progress, cpu=cpu, bar=bar, make_env=parts.make_env, tools=parts.tools)
 

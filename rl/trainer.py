@@ -144,12 +144,15 @@ class GiGPOTrainer:
     `reward_engine.judge.TrajectoryVerdict` and a `prompt` (its version goes into checkpoints).
     `compositional`: ids of test tasks whose targets were never targets in training (their evaluation block).
     `seed` (plus the config's `seed_offset`) seeds every draw; `eval_seed` the evaluation episodes and the
-    pool sample, the same for every seed and algorithm. `human_factory(compiled)` makes who answers the agent
-    (default: the rule persona). `make_env` and `tools`: another env than the sandbox (TextWorld: its env and
-    its skills). Progress shows on `bar` (the RL stage's bar), or a bar of its own."""
+    pool sample, the same for every seed and algorithm; `eval_constrained` decodes the evaluation as the recipe's
+    `eval.constrained` says (`agent.constrained`), so its figures read like `embodistill eval`'s.
+    `human_factory(compiled)` makes who answers the agent (default: the rule persona). `make_env` and `tools`:
+    another env than the sandbox (TextWorld: its env and its skills). Progress shows on `bar` (the RL stage's
+    bar), or a bar of its own."""
 
     def __init__(self, config: GiGPOConfig, init: str | Path, out: str | Path, train_tasks: list, eval_tasks: list,
-                 reward_engine, *, seed: int = 0, eval_seed: int = 0, compositional=(), human_factory=None,
+                 reward_engine, *, seed: int = 0, eval_seed: int = 0, eval_constrained: bool = False,
+                 compositional=(), human_factory=None,
                  name: str = "rl", resume: bool = False, restart: bool = False, show_progress: bool = True,
                  cpu: bool | None = None, bar: StageBar | None = None, make_env=None, tools: list[dict] | None = None):
         self.cfg = config
@@ -158,7 +161,7 @@ class GiGPOTrainer:
         self.tools = tools
         self.init, self.out = Path(init), Path(out)
         self.seed = seed + config.seed_offset
-        self.eval_seed = eval_seed
+        self.eval_seed, self.eval_constrained = eval_seed, eval_constrained
         self.rewarder = reward_engine
         self.name = name
         self.resume, self.restart = resume, restart
@@ -508,6 +511,8 @@ class GiGPOTrainer:
         # the episode seeds: `episode_seed(eval_seed, task id)` ("task-id"; before 2026-12-06 they came from the
         # task's position, and a cache made so must not look current)
         h.update(json.dumps([self.eval_seed, "task-id", self.cfg.max_new_tokens, self.cfg.memory_size]).encode())
+        if self.eval_constrained:   # (added 2026-12-07; free decoding keeps the keys made before)
+            h.update(b"constrained")
         return self.init / f"rl_initial_eval_{h.hexdigest()[:16]}.json"
 
     def evaluate(self, it: int) -> dict | None:
@@ -522,7 +527,8 @@ class GiGPOTrainer:
             t0 = time.perf_counter()
             model = self.acc.unwrap_model(self.model)
             policy = ChatPolicy(TransformersClient(model, self.tok, max_new_tokens=self.cfg.max_new_tokens,
-                                                   batch_size=self.cfg.eval_batch, device=str(self.acc.device)),
+                                                   batch_size=self.cfg.eval_batch, device=str(self.acc.device),
+                                                   constrained=self.eval_constrained),
                                 name="student", tools=self.tools)
 
             def play_greedy(tasks: list) -> list:
@@ -539,6 +545,7 @@ class GiGPOTrainer:
                 m["pool"] = aggregate(play_greedy(self.pool_eval))
             model.train()
             out = {"kind": "eval", "iteration": it, "split": "test", "seconds": round(time.perf_counter() - t0, 1),
+                   "constrained_decoding": self.eval_constrained,
                    **{d: {k: m[d][k] for k in EVAL_KEYS} for d in [*EVAL_GROUPS, *m] if d in m}}
             if cache is not None:
                 try:

@@ -364,6 +364,13 @@ def test_the_starting_checkpoint_is_evaluated_once_per_test_split(ci_setup, tmp_
     assert a["initial_eval"]["all"]["episodes"] == 1 and "cached" not in a["initial_eval"]
     assert b["initial_eval"]["cached"] and b["initial_eval"]["all"] == a["initial_eval"]["all"]
     assert a["final_eval"]["iteration"] == 1 and len(list(init.glob("rl_initial_eval_*.json"))) == 1
+    # the recipe's eval.constrained decodes RL's evaluations too (as `embodistill eval` and the on-policy stage
+    # do), and a free decoding's figures are never read back for it
+    rc = r.model_copy(update={"eval": r.eval.model_copy(update={"constrained": True})})
+    c = make_rl_trainer(rc, tmp_path / "c", init, show_progress=False).train()
+    assert not a["initial_eval"]["constrained_decoding"] and "cached" not in c["initial_eval"]
+    assert c["initial_eval"]["constrained_decoding"] and c["final_eval"]["constrained_decoding"]
+    assert len(list(init.glob("rl_initial_eval_*.json"))) == 2
 
 
 def test_eval_start_false_skips_only_the_evaluation_of_the_start(ci_setup, tmp_path):
