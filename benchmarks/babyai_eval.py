@@ -23,7 +23,7 @@ KEYS = ("success_rate", "success_wilson95", "mean_steps", "step_ratio_to_bot", "
 
 
 def main() -> None:
-    from evaluation.babyai import LEVELS, evaluate_babyai
+    from evaluation.babyai import LevelError, evaluate_babyai, level_id
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--levels", default="GoToObj,GoToLocal,GoTo,Open,Pickup,PutNextLocal,Unlock,GoToSeq,Synth")
@@ -38,9 +38,11 @@ def main() -> None:
                     help="the student's decoding writes only well-formed calls over ids its prompt shows")
     a = ap.parse_args()
     levels = a.levels.split(",")
-    for lv in levels:
-        if lv not in LEVELS:
-            ap.error(f"unknown level {lv!r}; available: {', '.join(LEVELS)}")
+    for lv in levels:   # a short name or any registered BabyAI id
+        try:
+            level_id(lv)
+        except LevelError as e:
+            ap.error(str(e))
     policies = a.policies.split(",")
     if "student" in policies and not (Path(a.student) / "config.json").is_file():
         ap.error(f"--student {a.student}: not a model folder (train one: embodistill sft recipes/tiny.yaml)")

@@ -1,4 +1,5 @@
-"""Evaluation on BabyAI (MiniGrid) from RGB frames only, with the evaluator and the policy in separate processes.
+"""Evaluation on BabyAI (MiniGrid) from RGB frames only, on any registered level, with the evaluator and the
+policy in separate processes.
 
 The evaluator (this module, the parent process) owns the environment: it renders a frame, sends the frame and the
 mission to the policy process (`PolicyProcess`), applies the primitive action that comes back, and alone reads
@@ -27,8 +28,8 @@ import numpy as np
 from evaluation.isolation import PAYLOAD_KEYS, PolicyProcess, check_payload, probe  # noqa: F401 - re-exported
 from evaluation.pixel_report import wilson, write_strip  # noqa: F401 - re-exported
 
-# levels whose missions the skills express (no "object behind you"-style locations except where parsed); the
-# README lists them. name -> gymnasium id
+# the catalogue of short names (`--env babyai:GoTo`); any other registered BabyAI id (and MiniGrid's own ids whose
+# missions the grammar reads) runs too: `level_id`. name -> gymnasium id
 LEVELS = {
     "GoToObj": "BabyAI-GoToObj-v0",            # one room, one object
     "GoToLocal": "BabyAI-GoToLocal-v0",        # one room, 8 distractors
@@ -44,12 +45,53 @@ LEVELS = {
     "Synth": "BabyAI-Synth-v0",                # go to / pick up / open / put next, 3x3 rooms
 }
 VIEWS = ("topdown", "topdown-fov", "egocentric")
+# what the perception reads and the skills act on; a goal square or lava has no skill ("get to the goal")
+KNOWN_CELLS = {"empty", "wall", "floor", "door", "key", "ball", "box"}
+
+
+class LevelError(ValueError):
+    """A level id that is not registered, or a level whose mission or grid the skills cannot express."""
+
+
+def registered_levels(prefix: str = "BabyAI-") -> list[str]:
+    """The gymnasium ids registered with `prefix` (BabyAI's levels; `MiniGrid-` for MiniGrid's own)."""
+    import gymnasium as gym
+    import minigrid  # noqa: F401 — registers the BabyAI and MiniGrid ids
+
+    return sorted(k for k in gym.registry if k.startswith(prefix))
 
 
 def level_id(level: str) -> str:
-    if level not in LEVELS:
-        raise ValueError(f"unknown BabyAI level {level!r}; available: {', '.join(LEVELS)}")
-    return LEVELS[level]
+    """The gymnasium id of `level`: a short name of the catalogue (`GoTo`), any registered BabyAI id
+    (`BabyAI-UnlockLocal-v0`, or `UnlockLocal` for it), or a MiniGrid id (`MiniGrid-KeyCorridorS3R1-v0`).
+    Whether the skills can express the level's missions is checked per episode (`check_level`)."""
+    if level in LEVELS:
+        return LEVELS[level]
+    known = set(registered_levels("BabyAI-")) | set(registered_levels("MiniGrid-"))
+    for candidate in (level, f"BabyAI-{level}-v0"):
+        if candidate in known:
+            return candidate
+    import difflib
+    close = difflib.get_close_matches(level, [*LEVELS, *sorted(known)], n=3, cutoff=0.6)
+    raise LevelError(f"unknown BabyAI level {level!r}: neither a short name ({', '.join(LEVELS)}) nor a registered "
+                     f"BabyAI or MiniGrid id" + (f"; did you mean {' or '.join(close)}?" if close else ""))
+
+
+def check_level(env, mission: str, seed: int) -> None:
+    """Refuse an episode the skills cannot express, saying which part: a mission the grammar cannot read (go to /
+    pick up / open / put X next to Y, joined by "and", ", then", "after you"), or a cell no skill acts on."""
+    from evaluation.pixel_agent import MissionError, parse_mission
+    env_id = env.spec.id if env.spec is not None else type(env.unwrapped).__name__
+    try:
+        parse_mission(mission)
+    except MissionError as e:
+        raise LevelError(f"{env_id} (seed {seed}): the mission grammar {e}; it reads go to / pick up / open / "
+                         "put X next to Y, joined by 'and', ', then' and 'after you'") from None
+    cells = {c.type for c in env.unwrapped.grid.grid if c is not None}
+    other = sorted(cells - KNOWN_CELLS)
+    if other:
+        raise LevelError(f"{env_id} (seed {seed}): its grid has {' and '.join(other)} cells, which no skill acts on "
+                         f"(mission {mission!r})")
 
 
 def make_env(level: str, tile_size: int = 8):
@@ -177,6 +219,7 @@ def run_episode(env, proc: PolicyProcess, level: str, seed: int, view: str, tile
     obs, _ = quiet_reset(env, seed)
     u = env.unwrapped
     mission = obs["mission"]
+    check_level(env, mission, seed)
     frame = render(env, view, tile_size)
     frames = [frame] if keep_frames else []
     reply = proc.call(op="reset", mission=mission, frame=frame, seed=seed)
@@ -250,8 +293,9 @@ def evaluate_babyai(level: str, policy: str, episodes: int, out: Path, seed: int
                     vision_api_key_env: str = "OPENAI_API_KEY", constrained: bool = False) -> dict:
     """Run `episodes` episodes (seeds seed .. seed+episodes-1) of one level; write metrics.json, episodes.jsonl,
     report.md and frame strips under `out`; return the metrics. `constrained`: a model folder's decoding writes
-    only well-formed calls over ids its prompt shows (`agent.constrained`)."""
-    level_id(level)
+    only well-formed calls over ids its prompt shows (`agent.constrained`). `level`: a short name or any registered
+    BabyAI (or MiniGrid) id; an episode the skills cannot express raises `LevelError` saying which part."""
+    env_id = level_id(level)
     if view not in VIEWS:
         raise ValueError(f"unknown view {view!r}; choose one of {', '.join(VIEWS)}")
     if episodes < 1:
@@ -259,6 +303,7 @@ def evaluate_babyai(level: str, policy: str, episodes: int, out: Path, seed: int
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     env = make_env(level, tile_size)
+    check_level(env, quiet_reset(env, seed)[0]["mission"], seed)   # before the policy process starts
     spec = PolicySpec(policy=policy, view=view, tile_size=tile_size, skill_budget=skill_budget,
                       vision_model=vision_model, vision_base_url=vision_base_url,
                       vision_api_key_env=vision_api_key_env, constrained=constrained)
@@ -277,7 +322,7 @@ def evaluate_babyai(level: str, policy: str, episodes: int, out: Path, seed: int
                 progress(1)
         audit = sorted(set(proc.sent))
     m = summarize(rows)
-    m.update({"level": level, "env_id": LEVELS[level], "policy": policy, "view": view, "tile_size": tile_size,
+    m.update({"level": level, "env_id": env_id, "policy": policy, "view": view, "tile_size": tile_size,
               "perception": f"vision:{vision_model}" if vision_model else "sprites",
               "seed": seed, "skill_budget": skill_budget, "deadlock_turns": deadlock_turns,
               "payload_keys": [list(k) for k in audit], "wall_s": round(time.time() - t0, 1)})

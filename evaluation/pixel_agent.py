@@ -230,7 +230,8 @@ class PixelExpert:
     # -- the plan
 
     def _explore(self, b: GridBelief, what: str) -> tuple[str, dict]:
-        todo = [r for r in b.unvisited() if r not in self.failed]
+        # not a room behind a door this plan is already unlocking (its key is what is being looked for)
+        todo = [r for r in b.unvisited() if r not in self.failed and self._in_way(b, r) not in self._unlocking]
         if todo:
             clear = self._clear(b, todo[0])
             if clear:
@@ -277,12 +278,12 @@ class PixelExpert:
     def _get(self, b: GridBelief, oid: str, why: str | None = None) -> tuple[str, dict]:
         """Calls that end with `oid` held."""
         o = b.objects[oid]
+        clear = self._clear(b, oid)   # first: the key in hand may be what unlocks the way
+        if clear:
+            return clear
         if b.holding and b.holding != oid:
             return (f"My hands are full; I put the {b.objects[b.holding].name} down first.",
                     {"name": "place", "arguments": {"object": b.holding, "target": b.place}})
-        clear = self._clear(b, oid)
-        if clear:
-            return clear
         if not self._facing(b, oid):
             return why or f"I go to the {o.name}.", {"name": "navigate", "arguments": {"target": oid}}
         return f"The {o.name} is in front of me; I pick it up.", {"name": "pick_up", "arguments": {"object": oid}}

@@ -70,7 +70,9 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
              out: Path = typer.Option(..., "--out", help="output folder for metrics.json"),
              tasks: Optional[Path] = typer.Option(None, help="folder written by `embodistill build` (else built)"),
              env: str = typer.Option("sandbox", help="sandbox, babyai:LEVEL for pixel evaluation on a BabyAI "
-                                                     "level (e.g. babyai:GoTo), browser:TASK for a browser task "
+                                                     "level (a short name such as babyai:GoTo, or any "
+                                                     "registered id: babyai:BabyAI-UnlockLocal-v0), "
+                                                     "browser:TASK for a browser task "
                                                      "from evaluation/browser_tasks.yaml (e.g. browser:click-button), "
                                                      "or textworld:PATH for TextWorld games (a .z8/.ulx file or a "
                                                      "folder of them; --policy expert | oracle | random | PATH)"),
@@ -101,18 +103,24 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
         _fail("--policy oracle is the TextWorld game's own plan: --env textworld:PATH or a textworld recipe")
     if env.startswith("babyai:"):
         # the pixel extra (minigrid): imported only when asked for
-        from evaluation.babyai import LEVELS, VIEWS, evaluate_babyai
+        from evaluation.babyai import VIEWS, LevelError, evaluate_babyai, level_id
         level = env.split(":", 1)[1]
-        if level not in LEVELS:
-            _fail(f"unknown BabyAI level {level!r}; available: {', '.join(LEVELS)}")
+        try:
+            level_id(level)
+        except LevelError as e:
+            _fail(str(e))
         if view not in VIEWS:
             _fail(f"--view must be one of {', '.join(VIEWS)}, not {view!r}")
         r = _pixel_recipe(recipe, episodes)
         bar = tqdm(total=episodes, desc=f"{policy} on {level}", unit="ep", disable=quiet)
-        m = evaluate_babyai(level, policy, episodes, out, seed=r.eval.seed, view=view, progress=bar.update,
-                            vision_model=vision_model, vision_base_url=vision_base_url,
-                            constrained=r.eval.constrained and policy not in ("expert", "random"))
-        bar.close()
+        try:
+            m = evaluate_babyai(level, policy, episodes, out, seed=r.eval.seed, view=view, progress=bar.update,
+                                vision_model=vision_model, vision_base_url=vision_base_url,
+                                constrained=r.eval.constrained and policy not in ("expert", "random"))
+        except LevelError as e:   # a mission or a cell the skills cannot express
+            _fail(str(e))
+        finally:
+            bar.close()
         typer.echo(json.dumps({k: m[k] for k in ("level", "policy", "episodes", "success_rate", "success_wilson95",
                                                  "mean_steps", "step_ratio_to_bot", "invalid_action_rate",
                                                  "deadlocks", "perception_accuracy")}))

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 pytest.importorskip("minigrid")
+ROOT = Path(__file__).resolve().parents[1]
 
 from evaluation.babyai import (  # noqa: E402
-    LEVELS, PolicyProcess, PolicySpec, check_payload, evaluate_babyai, make_env, quiet_reset, render, wilson)
+    LEVELS, LevelError, PolicyProcess, PolicySpec, check_payload, evaluate_babyai, level_id, make_env, quiet_reset,
+    render, wilson)
 from evaluation.gridworld import GridBelief  # noqa: E402
 from evaluation.perception import TYPE_IDX, UNKNOWN, SpriteDetector  # noqa: E402
 from evaluation.pixel_agent import (  # noqa: E402
@@ -125,9 +128,11 @@ def test_missions_parse_in_the_order_to_do_them():
     assert task_text("go to a red ball, then open the door") == "Go to the red ball, then open the door."
 
 
-def test_unknown_level_lists_the_available_ones(tmp_path):
-    with pytest.raises(ValueError, match="available: GoToObj, GoToLocal, GoTo"):
+def test_unknown_level_lists_the_short_names_and_the_nearest_ids(tmp_path):
+    with pytest.raises(LevelError, match=r"short name \(GoToObj, GoToLocal, GoTo"):
         evaluate_babyai("GoToMoon", "expert", 1, tmp_path)
+    with pytest.raises(LevelError, match="did you mean BabyAI-UnlockLocal-v0"):
+        level_id("BabyAI-UnlockLokal-v0")
     with pytest.raises(ValueError, match="unknown view"):
         evaluate_babyai("GoTo", "expert", 1, tmp_path, view="isometric")
     assert wilson(0, 10)[0] == 0.0 and wilson(10, 10)[1] == 1.0
@@ -170,6 +175,46 @@ def test_the_perception_only_expert_solves_the_acceptance_levels(level, view, tm
     assert (tmp_path / "strip_0.png").is_file() and "Wilson" in (tmp_path / "report.md").read_text()
     rows = [json.loads(line) for line in (tmp_path / "episodes.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(r["skill_calls"] >= 1 for r in rows)
+
+
+@pytest.mark.parametrize("level", ["BabyAI-UnlockLocal-v0", "OpenDoor", "BabyAI-GoToObjMazeS4-v0",
+                                   "MiniGrid-UnlockPickup-v0"])
+def test_a_registered_level_outside_the_catalogue_runs(level, tmp_path):
+    """Any registered BabyAI id (or its name without prefix and version), and MiniGrid's own ids whose missions
+    the grammar reads; the perception-only expert solves these."""
+    assert level not in LEVELS
+    m = evaluate_babyai(level, "expert", 2, tmp_path, seed=1000, bot=False, strips=0)
+    assert m["env_id"] == level_id(level) and m["env_id"].endswith("-v0")
+    assert m["success_rate"] == 1.0 and m["perception_accuracy"] == 1.0, json.dumps(m)
+
+
+def test_a_level_the_skills_cannot_express_is_refused_naming_the_part(tmp_path):
+    """A mission outside the grammar names the part it cannot read; a cell no skill acts on is named too; both
+    before the policy process starts, and `embodistill eval` exits 2 with the message."""
+    from typer.testing import CliRunner
+
+    from minigrid.core.world_object import Lava
+
+    from evaluation.babyai import check_level
+    from pipeline.cli import app
+    with pytest.raises(LevelError, match="cannot read the mission part 'get to the green goal square'"):
+        evaluate_babyai("MiniGrid-Empty-5x5-v0", "expert", 1, tmp_path)
+    assert not (tmp_path / "metrics.json").exists()
+    env = make_env("BabyAI-GoToObj-v0")
+    quiet_reset(env, 0)
+    env.unwrapped.grid.set(1, 1, Lava())
+    with pytest.raises(LevelError, match="its grid has lava cells"):
+        check_level(env, env.unwrapped.mission, 0)
+    res = CliRunner().invoke(app, ["eval", str(ROOT / "recipes" / "tiny.yaml"), "--env", "babyai:MiniGrid-Empty-5x5-v0",
+                                   "--policy", "expert", "--episodes", "1", "--out", str(tmp_path / "cli")])
+    assert res.exit_code == 2 and "get to the green goal square" in res.output
+
+
+def test_the_expert_gives_up_on_a_key_it_cannot_see_without_recursing(tmp_path):
+    """KeyInBox: the only key is inside a box. The plan to unlock the door looked for its key in the room behind
+    that very door, whose way needs the key: it recursed until Python stopped it; now the episode ends."""
+    m = evaluate_babyai("BabyAI-KeyInBox-v0", "expert", 1, tmp_path, seed=1000, bot=False, strips=0)
+    assert m["episodes"] == 1 and sum(m["ends"].values()) == 1
 
 
 def test_random_policy_and_deadlocks_are_counted(tmp_path):
