@@ -1,4 +1,5 @@
-"""Evaluate a policy on sandbox tasks: TSR, GCR, steps, invalid-action rate, help requests, loops.
+"""Evaluate a policy on sandbox tasks: TSR, GCR, steps, invalid-action rate, help requests, loops, and the
+deadlock taxonomy (aware / unaware / recovered: `agent.metrics.find_deadlocks`).
 
     from evaluation.sandbox_eval import evaluate
     metrics, trajectories = evaluate(tasks, "outputs/medium/sft/final")   # or "expert", "random"
@@ -14,7 +15,7 @@ from typing import Callable
 
 from agent.clients import ClientSpec, TransformersClient, make_client
 from agent.episode import episode_seed, play
-from agent.metrics import split_metrics
+from agent.metrics import split_metrics, trajectories_deadlock_report
 from agent.policies import ChatPolicy, ScriptedPolicy
 from agent.trajectory import Trajectory
 from sandbox.agents import ExpertAgent, RandomAgent
@@ -51,4 +52,6 @@ def evaluate(tasks: list[TaskInstance], policy: str | ClientSpec, seed: int = 0,
     played = play(make_env, make_policy(policy, constrained, tools),
                   [({"task": t}, episode_seed(seed, t.id)) for t in tasks],
                   batch_size=batch_size, on_done=(lambda i, e: progress(1)) if progress else None)
-    return split_metrics(played.trajectories), played.trajectories
+    metrics = split_metrics(played.trajectories)
+    metrics["deadlocks"] = trajectories_deadlock_report(played.trajectories)
+    return metrics, played.trajectories

@@ -25,7 +25,7 @@ from typing import Callable
 
 from agent.clients import TransformersClient
 from agent.episode import episode_seed, play
-from agent.metrics import has_loop
+from agent.metrics import has_loop, trajectories_deadlock_report
 from agent.policies import ChatPolicy, ScriptedPolicy
 from agent.tools import tool_definitions
 from agent.trajectory import Trajectory, write_json, write_jsonl, write_text_atomic
@@ -122,7 +122,7 @@ def textworld_metrics(trajs: list[Trajectory], types: dict[str, tuple[str, int |
             groups.setdefault(f"{kind}/{level}", []).append(t)
     levels = sorted((k for k in groups if "/" in k), key=lambda k: (k.split("/")[0], int(k.split("/")[1])))
     return {"all": _block(trajs), "by_type": {k: _block(groups[k]) for k in sorted(groups) if "/" not in k},
-            "by_level": {k: _block(groups[k]) for k in levels}}
+            "by_level": {k: _block(groups[k]) for k in levels}, "deadlocks": trajectories_deadlock_report(trajs)}
 
 
 def evaluate_textworld(games: str | Path | list[Path], policy: str, out: Path, seed: int = 0,
@@ -169,4 +169,9 @@ def report(m: dict) -> str:
         lines.append(f"| {name} ({b['games']}) | {b['won_rate']:.3f} | {b['won_wilson95'][0]:.3f}-"
                      f"{b['won_wilson95'][1]:.3f} | {b['score_ratio']:.3f} | {b['mean_steps']:.1f} | {ratio} | "
                      f"{b['invalid_call_rate']:.3f} | {b['loop_rate']:.3f} |")
+    d = m["deadlocks"]
+    lines += ["", f"Deadlocks ({d['k']} calls in a row with no change of the game's state): {d['deadlocks']} in "
+              f"{d['episodes_with_deadlock']} games; aware {d['aware']}, unaware {d['unaware']}, recovered "
+              f"{d['recovered']}; failed games with an aware one {d['failed_with_aware']}, with an unaware one "
+              f"{d['failed_with_unaware']}; phi(deadlock, failure) {d['phi_deadlock_failure']}."]
     return "\n".join(lines) + "\n"

@@ -162,8 +162,8 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
     if r.env == "textworld":
         typer.echo(_textworld_summary(m))
         return
-    typer.echo(json.dumps({d: {"tsr": m[d]["tsr"], "gcr": m[d]["gcr"], "episodes": m[d]["episodes"]}
-                           for d in ("easy", "medium", "hard", "all")}))
+    typer.echo(json.dumps({**{d: {"tsr": m[d]["tsr"], "gcr": m[d]["gcr"], "episodes": m[d]["episodes"]}
+                              for d in ("easy", "medium", "hard", "all")}, "deadlocks": _deadlocks(m)}))
 
 
 def _eval_textworld(recipe: Path, games: str, policy: str, out: Path, quiet: bool) -> None:
@@ -187,7 +187,12 @@ def _eval_textworld(recipe: Path, games: str, policy: str, out: Path, quiet: boo
 def _textworld_summary(m: dict) -> str:
     return json.dumps({"policy": m["policy"], "games": m["games"], **{k: m["all"][k] for k in (
         "won_rate", "won_wilson95", "score_ratio", "mean_steps", "steps_over_walkthrough", "invalid_call_rate")},
-        "by_type": {k: v["won_rate"] for k, v in m["by_type"].items()}})
+        "by_type": {k: v["won_rate"] for k, v in m["by_type"].items()}, "deadlocks": _deadlocks(m)})
+
+
+def _deadlocks(m: dict) -> dict:
+    d = m["deadlocks"]
+    return {k: d[k] for k in ("aware", "unaware", "recovered", "failed_with_aware", "failed_with_unaware")}
 
 
 @app.command()

@@ -109,6 +109,10 @@ def test_random_policy_does_far_worse(tiny_build, tmp_path):
     assert rand["all"]["invalid_action_rate"] > expert["all"]["invalid_action_rate"]
     saved = json.loads((tmp_path / "e" / "metrics.json").read_text())
     assert saved["all"]["tsr"] == expert["all"]["tsr"]
+    # the deadlock taxonomy: the expert never stalls unaware; random play stalls, and its stalls go with failing
+    assert expert["deadlocks"]["unaware"] == 0 and rand["deadlocks"]["deadlocks"] > 0
+    d = rand["deadlocks"]
+    assert d["aware"] + d["unaware"] == d["deadlocks"] and d["failed_episodes"] >= rand["all"]["episodes"] * 0.9
 
 
 def test_isolation_hidden_fields_never_reach_a_prompt(tiny_build):

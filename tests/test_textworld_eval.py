@@ -56,6 +56,9 @@ def test_random_and_oracle_baselines_play_the_same_games(user_games, tmp_path):
     again = evaluate_textworld(user_games, "random", tmp_path / "random2", seed=3)
     assert (tmp_path / "random" / "trajectories.jsonl").read_text() == \
         (tmp_path / "random2" / "trajectories.jsonl").read_text() and again["all"] == rand["all"]
+    d = rand["deadlocks"]   # the taxonomy, in metrics.json and report.md
+    assert d["k"] == 3 and d["aware"] + d["unaware"] == d["deadlocks"] and oracle["deadlocks"]["unaware"] == 0
+    assert "Deadlocks (3 calls in a row" in (tmp_path / "random" / "report.md").read_text()
 
 
 def test_a_student_folder_plays_textworld_through_the_shared_prompt_and_parser(user_games, tmp_path):
