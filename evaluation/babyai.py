@@ -16,15 +16,17 @@ deadlocks, perception accuracy), `episodes.jsonl`, `report.md` and a few frame s
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from agent.metrics import Deadlock, Decision, deadlock_report, find_deadlocks
 from evaluation.isolation import PAYLOAD_KEYS, PolicyProcess, check_payload, probe  # noqa: F401 - re-exported
 from evaluation.pixel_report import wilson, write_strip  # noqa: F401 - re-exported
 
@@ -208,6 +210,15 @@ def build_agent(spec: PolicySpec):
 # ----------------------------------------------------------------------------- the evaluator
 
 
+# a deadlock is `deadlock_turns` turns with no change of pose, holdings or grid (`agent.metrics.find_deadlocks`
+# classifies it aware / unaware / recovered); the episode ends after STALL_FACTOR times as many
+STALL_FACTOR = 4
+
+
+def _state_key(signature: tuple) -> str:
+    return hashlib.blake2b(repr(signature).encode(), digest_size=8).hexdigest()
+
+
 def _signature(env) -> tuple:
     u = env.unwrapped
     carrying = u.carrying.encode() if u.carrying is not None else None
@@ -248,18 +259,25 @@ def run_episode(env, proc: PolicyProcess, level: str, seed: int, view: str, tile
 
     score(reply)
     steps = turns = still = calls = 0
-    success = deadlock = False
+    success = False
     end = "truncated"
     events: list[dict] = []
     last = _signature(env)
+    start_key = _state_key(last)
+    decisions: list[Decision] = []   # one per turn: the state after it, the skill running, what was thought
+    call = None
     while True:
         reply = proc.call(op="act", frame=frame)
         turns += 1
         score(reply)
-        events += [{k: e[k] for k in ("thought", "call", "ok", "error", "observation")} for e in reply["events"]]
+        new = [{k: e[k] for k in ("thought", "call", "ok", "error", "observation")} for e in reply["events"]]
+        events += new
+        call = next((e["call"] for e in reversed(new) if isinstance(e["call"], dict)), call)
+        thought = " ".join(e["thought"] for e in new if e.get("thought"))
         calls = reply["calls"]  # started, including one cut short by the episode's end
         if reply["finish"]:
             end = reply.get("why") or "finish"
+            decisions.append(Decision(_state_key(last), call, thought))
             break
         if reply["action"] is not None:
             _, reward, terminated, truncated, _ = env.step(int(reply["action"]))
@@ -267,21 +285,23 @@ def run_episode(env, proc: PolicyProcess, level: str, seed: int, view: str, tile
             frame = render(env, view, tile_size)
             if keep_frames:
                 frames.append(frame)
-            if terminated:
-                success, end = reward > 0, "success" if reward > 0 else "failed"
-                break
-            if truncated:
-                end = "step budget"
+            if terminated or truncated:
+                success = terminated and reward > 0
+                end = "success" if success else "failed" if terminated else "step budget"
+                decisions.append(Decision(_state_key(_signature(env)), call, thought, progress=success))
                 break
         sig = _signature(env)
         still = still + 1 if sig == last else 0
         last = sig
-        if still >= deadlock_turns:
-            deadlock, end = True, "deadlock"
+        decisions.append(Decision(_state_key(sig), call, thought))
+        if still >= STALL_FACTOR * deadlock_turns:   # a deadlock is counted at deadlock_turns; this ends it
+            end = "deadlock"
             break
     invalid = sum(1 for e in events if not e["ok"])
+    locks = find_deadlocks(start_key, decisions, deadlock_turns)
     return {"level": level, "seed": seed, "mission": mission, "success": bool(success), "steps": steps,
-            "turns": turns, "end": end, "deadlock": deadlock, "skill_calls": calls, "invalid_calls": invalid,
+            "turns": turns, "end": end, "deadlock": bool(locks), "deadlocks": [asdict(d) for d in locks],
+            "skill_calls": calls, "invalid_calls": invalid,
             "perception_correct": perc_ok, "perception_cells": perc_n, "pose_correct": pose_ok,
             "pose_frames": pose_n, "max_steps": int(u.max_steps), "events": events, "frames": frames}
 
@@ -351,7 +371,9 @@ def summarize(rows: list[dict]) -> dict:
         "bot_success_rate": len(bot_ok) / n if "bot_steps" in (rows[0] if rows else {}) else None,
         "step_ratio_to_bot": (float(np.mean([r["steps"] / r["bot_steps"] for r in both])) if both else None),
         "skill_calls": calls, "invalid_action_rate": (sum(r["invalid_calls"] for r in rows) / calls) if calls else 0.0,
-        "deadlocks": sum(r["deadlock"] for r in rows),
+        "deadlocks": sum(r["deadlock"] for r in rows),   # episodes with one
+        "deadlock_taxonomy": deadlock_report([([Deadlock(**d) for d in r["deadlocks"]], r["success"])
+                                              for r in rows]),
         "perception_accuracy": (sum(r["perception_correct"] for r in rows) / cells) if cells else None,
         "pose_accuracy": (sum(r["pose_correct"] for r in rows) / frames) if frames else None,
         "ends": {e: sum(r["end"] == e for r in rows) for e in sorted({r["end"] for r in rows})},
@@ -374,7 +396,7 @@ def report(m: dict, rows: list[dict]) -> str:
              f"| steps / BabyAI bot's steps (both successful) | {f(m['step_ratio_to_bot'], '{:.2f}')} |",
              f"| BabyAI bot success | {f(m['bot_success_rate'])} |",
              f"| invalid skill calls | {m['invalid_action_rate']:.3f} of {m['skill_calls']} |",
-             f"| deadlocks | {m['deadlocks']} |",
+             f"| deadlocks | {m['deadlocks']} episodes; {_taxonomy(m['deadlock_taxonomy'])} |",
              f"| perception accuracy (cells / agent pose) | {f(m['perception_accuracy'], '{:.4f}')} / "
              f"{f(m['pose_accuracy'], '{:.4f}')} |",
              f"| episode ends | {', '.join(f'{k}: {v}' for k, v in m['ends'].items())} |",
@@ -388,3 +410,8 @@ def report(m: dict, rows: list[dict]) -> str:
             args = ", ".join(f"{v}" for v in call.get("arguments", {}).values())
             lines.append(f"  - {call['name']}({args}) -> {'ok' if e['ok'] else e['error']}")
     return "\n".join(lines) + "\n"
+
+
+def _taxonomy(d: dict) -> str:
+    return (f"aware {d['aware']}, unaware {d['unaware']}, recovered {d['recovered']}; failed episodes with an "
+            f"aware one {d['failed_with_aware']}, with an unaware one {d['failed_with_unaware']}")

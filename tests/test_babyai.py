@@ -221,8 +221,13 @@ def test_random_policy_and_deadlocks_are_counted(tmp_path):
     m = evaluate_babyai("GoToLocal", "random", 6, tmp_path, seed=0, bot=False, strips=0, deadlock_turns=3)
     assert m["invalid_action_rate"] > 0.1  # random calls are often invalid, and counted as such
     assert m["episodes"] == 6 and sum(m["ends"].values()) == 6
-    assert m["deadlocks"] + m["successes"] + m["ends"].get("skill budget spent", 0) + \
-        m["ends"].get("finish", 0) + m["ends"].get("step budget", 0) == 6
+    # a deadlock (3 turns without change) is classified; 4 times as long ends the episode
+    t = m["deadlock_taxonomy"]
+    assert m["deadlocks"] == t["episodes_with_deadlock"] >= max(1, m["ends"].get("deadlock", 0))
+    assert t["aware"] + t["unaware"] == t["deadlocks"] >= m["deadlocks"]
+    rows = [json.loads(line) for line in (tmp_path / "episodes.jsonl").read_text().splitlines()]
+    assert all(r["deadlock"] == bool(r["deadlocks"]) and all(d["length"] >= 3 for d in r["deadlocks"]) for r in rows)
+    assert "aware" in (tmp_path / "report.md").read_text()
 
 
 def test_a_student_checkpoint_runs_unchanged_on_pixels(tmp_path):
