@@ -67,6 +67,11 @@ class Reply:
     stopped: bool = True                     # False: the response was cut at max_new_tokens
 
 
+def hint_text(steps: int) -> str:
+    """The deadlock intervention's note: neutral, it says what happened and not what to do."""
+    return f"Note: nothing has changed for {steps} steps."
+
+
 def episode_seed(seed: int, task_id: str) -> int:
     """The seed of the episode of task `task_id` in a run seeded `seed` (the teacher, evaluation and RL's
     evaluations derive theirs this way): a function of the two alone, so a task plays the same whatever the
@@ -90,9 +95,14 @@ class Episode:
     """One episode in progress: the env, the trajectory being recorded, the memory the prompt shows."""
 
     def __init__(self, env: Any, policy_name: str, seed: int, options: dict | None = None, memory_size: int = 4,
-                 max_steps: int | None = None):
+                 max_steps: int | None = None, deadlock_hint: int | None = None):
         if memory_size < 0:
             raise ValueError(f"memory_size must be >= 0, not {memory_size}")
+        if deadlock_hint is not None and deadlock_hint < 1:
+            raise ValueError(f"deadlock_hint must be >= 1 steps, not {deadlock_hint}")
+        # the intervention (PokeGym's): after `deadlock_hint` steps in a row that changed nothing, the next
+        # observation the policy reads ends with a neutral note (the trajectory keeps the env's own text)
+        self.deadlock_hint, self.still = deadlock_hint, 0
         obs, info = env.reset(seed=seed, options=options)
         task = info["task"]
         self.env, self.observation, self.info = env, obs, info
@@ -144,6 +154,9 @@ class Episode:
             traj.final_answer = info["answer"]
         self.memory.add(call, info["error"], obs)
         self.observation, self.info = obs, info
+        self.still = self.still + 1 if info["state_key"] == anchor else 0
+        if self.deadlock_hint is not None and self.still >= self.deadlock_hint:
+            self.observation = f"{obs}\n{hint_text(self.still)}"
         traj.terminated, traj.truncated = terminated, truncated
         if terminated or truncated:
             self.done = True
@@ -177,13 +190,15 @@ class Played:
 
 def play(make_env: Callable[[], Any], policy: Policy, starts: Sequence[tuple[dict | None, int]], *,
          batch_size: int | None = None, memory_size: int = 4, max_steps: int | None = None,
-         raise_errors: bool = True, on_done: Callable[[int, Episode], None] | None = None) -> Played:
+         raise_errors: bool = True, on_done: Callable[[int, Episode], None] | None = None,
+         deadlock_hint: int | None = None) -> Played:
     """Play one episode per `(reset options, seed)` in `starts` with `policy`, `batch_size` episodes at a time
     in lockstep (default: all at once), each in a fresh env from `make_env()`.
 
     `max_steps` caps every episode's steps (RL rollouts; the task's own budget applies anyway). `on_done(i,
     episode)` is called as each episode ends (its trajectory is complete, or `episode.error` says why not).
-    A `ModelError` reply is raised at once, or with `raise_errors=False` ends that episode unrecorded."""
+    A `ModelError` reply is raised at once, or with `raise_errors=False` ends that episode unrecorded.
+    `deadlock_hint` (steps): the deadlock intervention (`Episode`)."""
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, not {batch_size}")
     starts = list(starts)
@@ -193,7 +208,8 @@ def play(make_env: Callable[[], Any], policy: Policy, starts: Sequence[tuple[dic
         live = []
         for i, (options, seed) in enumerate(starts[lo: lo + size], start=lo):
             env = make_env()
-            episode = Episode(env, policy.name, seed, options, memory_size=memory_size, max_steps=max_steps)
+            episode = Episode(env, policy.name, seed, options, memory_size=memory_size, max_steps=max_steps,
+                              deadlock_hint=deadlock_hint)
             played.episodes.append(episode)
             policy.start(i, env, seed)
             live.append(i)

@@ -25,7 +25,7 @@ from typing import Callable
 
 from agent.clients import TransformersClient
 from agent.episode import episode_seed, play
-from agent.metrics import has_loop, trajectories_deadlock_report
+from agent.metrics import DEADLOCK_K, has_loop, trajectories_deadlock_report
 from agent.policies import ChatPolicy, ScriptedPolicy
 from agent.tools import tool_definitions
 from agent.trajectory import Trajectory, write_json, write_jsonl, write_text_atomic
@@ -127,8 +127,10 @@ def textworld_metrics(trajs: list[Trajectory], types: dict[str, tuple[str, int |
 
 def evaluate_textworld(games: str | Path | list[Path], policy: str, out: Path, seed: int = 0,
                        progress: Callable[[int], None] | None = None, batch_size: int = 16,
-                       constrained: bool = False) -> dict:
-    """Play every game once with `policy` and write OUT/ (see the module docstring); returns the metrics."""
+                       constrained: bool = False, deadlock_hint: bool = False) -> dict:
+    """Play every game once with `policy` and write OUT/ (see the module docstring); returns the metrics.
+    `deadlock_hint`: the deadlock intervention (`agent.episode.hint_text` after `agent.metrics.DEADLOCK_K` calls
+    that changed nothing)."""
     from textworld_env.env import TextWorldEnv
     paths = games if isinstance(games, list) else find_games(games)
     ids = [p.stem for p in paths]
@@ -140,12 +142,14 @@ def evaluate_textworld(games: str | Path | list[Path], policy: str, out: Path, s
     played = play(TextWorldEnv, make_policy(policy, constrained),
                   [({"task": {"id": p.stem, "game": str(p), "difficulty": types[p.stem][0]}},
                     episode_seed(seed, p.stem)) for p in paths],
-                  batch_size=batch_size, on_done=(lambda i, e: progress(1)) if progress else None)
+                  batch_size=batch_size, on_done=(lambda i, e: progress(1)) if progress else None,
+                  deadlock_hint=DEADLOCK_K if deadlock_hint else None)
     seconds = time.time() - t0
     trajs = played.trajectories
     metrics = {"env": "textworld", "policy": policy, "games": len(trajs), "seed": seed,
                **textworld_metrics(trajs, types), "seconds": round(seconds, 1),
                "env_steps_per_second": round(sum(len(t.turns) for t in trajs) / max(played.env_seconds, 1e-9), 1)}
+    metrics["deadlocks"]["hint"] = deadlock_hint
     if policy not in SCRIPTED:
         metrics["constrained_decoding"] = constrained
     out.mkdir(parents=True, exist_ok=True)

@@ -87,6 +87,10 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
                                                                    "sprite detector / Tesseract"),
              vision_base_url: Optional[str] = typer.Option(None, help="babyai/browser: the vision model's "
                                                                       "endpoint"),
+             deadlock_hint: bool = typer.Option(False, "--deadlock-hint",
+                                                help="sandbox/textworld: after 3 calls in a row that change "
+                                                     "nothing, the next observation says so (the deadlock "
+                                                     "intervention; metrics.json shows recovery with it)"),
              quiet: bool = typer.Option(False, help="no progress bar")):
     """Run a policy on a split (sandbox), on a BabyAI level from RGB frames (babyai:LEVEL), on a browser task or
     on TextWorld games (textworld:PATH) and write metrics.json: TSR, GCR, steps, invalid-action rate per
@@ -94,8 +98,10 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
     with report.md and frame strips; or games won per game type and level with Wilson intervals."""
     spec = Path(policy).is_file() and Path(policy).suffix in (".yaml", ".yml", ".json")
     if env.startswith("textworld:"):
-        _eval_textworld(recipe, env.split(":", 1)[1], policy, out, quiet)
+        _eval_textworld(recipe, env.split(":", 1)[1], policy, out, quiet, deadlock_hint)
         return
+    if deadlock_hint and env != "sandbox":
+        _fail(f"--deadlock-hint is for the sandbox and TextWorld games, not {env.split(':')[0]} (yet)")
     if policy not in ("expert", "random", "oracle") and not spec and not (Path(policy) / "config.json").is_file():
         _fail(f"--policy must be expert, random, a model folder with config.json or a client spec file (.yaml), "
               f"not {policy!r} (oracle: TextWorld only)")
@@ -156,7 +162,8 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
         if policy == "oracle" and r.env != "textworld":
             _fail("--policy oracle is the TextWorld game's own plan: a recipe with env: textworld, or "
                   "--env textworld:PATH")
-        m = run_eval(r, load_client_spec(policy) if spec else policy, split, out, tasks, show_progress=not quiet)
+        m = run_eval(r, load_client_spec(policy) if spec else policy, split, out, tasks, show_progress=not quiet,
+                     deadlock_hint=deadlock_hint)
     except RecipeError as e:
         _fail(str(e))
     if r.env == "textworld":
@@ -166,7 +173,8 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
                               for d in ("easy", "medium", "hard", "all")}, "deadlocks": _deadlocks(m)}))
 
 
-def _eval_textworld(recipe: Path, games: str, policy: str, out: Path, quiet: bool) -> None:
+def _eval_textworld(recipe: Path, games: str, policy: str, out: Path, quiet: bool, deadlock_hint: bool = False
+                    ) -> None:
     """`eval --env textworld:PATH`: every game at PATH (a `.z8`/`.ulx` file or a folder of them, from tw-make)."""
     # the textworld extra: imported only when asked for
     from evaluation.textworld import SCRIPTED, GameFolderError, evaluate_textworld, find_games
@@ -179,7 +187,7 @@ def _eval_textworld(recipe: Path, games: str, policy: str, out: Path, quiet: boo
         _fail(str(e))
     bar = tqdm(total=len(paths), desc=f"{policy} on {games}", unit="game", disable=quiet)
     m = evaluate_textworld(paths, policy, out, seed=r.eval.seed, progress=bar.update,
-                           constrained=r.eval.constrained and policy not in SCRIPTED)
+                           constrained=r.eval.constrained and policy not in SCRIPTED, deadlock_hint=deadlock_hint)
     bar.close()
     typer.echo(_textworld_summary(m))
 
@@ -192,7 +200,7 @@ def _textworld_summary(m: dict) -> str:
 
 def _deadlocks(m: dict) -> dict:
     d = m["deadlocks"]
-    return {k: d[k] for k in ("aware", "unaware", "recovered", "failed_with_aware", "failed_with_unaware")}
+    return {k: d[k] for k in ("aware", "unaware", "recovered", "failed_with_aware", "failed_with_unaware", "hint")}
 
 
 @app.command()

@@ -231,9 +231,9 @@ def human_factory(recipe: Recipe):
 
 
 def run_eval(recipe: Recipe, policy: str | ClientSpec, split: str, out: Path, tasks_dir: Path | None = None,
-             show_progress: bool = True) -> dict:
+             show_progress: bool = True, deadlock_hint: bool = False) -> dict:
     """Play `policy` (expert, random, a model folder or a client spec) on a split; writes OUT/metrics.json,
-    OUT/trajectories.jsonl and OUT/manifest.json."""
+    OUT/trajectories.jsonl and OUT/manifest.json. `deadlock_hint`: the deadlock intervention."""
     bar = StageBar("eval", enabled=show_progress)
     if tasks_dir is not None:
         tasks = load_tasks(tasks_dir, split, recipe.env)
@@ -247,7 +247,8 @@ def run_eval(recipe: Recipe, policy: str | ClientSpec, split: str, out: Path, ta
                               "spec")
         bar.phase(f"{policy} on {split}", len(tasks), unit="game")
         metrics = evaluate_textworld([Path(t.game) for t in tasks], policy, out, seed=recipe.eval.seed,
-                                     progress=bar.update, constrained=recipe.eval.constrained)
+                                     progress=bar.update, constrained=recipe.eval.constrained,
+                                     deadlock_hint=deadlock_hint)
         bar.close()
         metrics["split"] = split
         write_json(out / "metrics.json", metrics)
@@ -255,7 +256,8 @@ def run_eval(recipe: Recipe, policy: str | ClientSpec, split: str, out: Path, ta
     name = f"{policy.kind}:{policy.model}" if isinstance(policy, ClientSpec) else policy
     bar.phase(f"{name} on {split}", len(tasks), unit="ep")
     metrics, trajs = evaluate(tasks, policy, seed=recipe.eval.seed, progress=bar.update,
-                              human_factory=human_factory(recipe), constrained=recipe.eval.constrained)
+                              human_factory=human_factory(recipe), constrained=recipe.eval.constrained,
+                              deadlock_hint=deadlock_hint)
     bar.close()
     metrics["policy"], metrics["split"] = name, split
     if isinstance(policy, str) and policy not in ("expert", "random"):

@@ -68,3 +68,38 @@ def test_the_report_counts_kinds_shares_of_failures_recovery_and_the_correlation
     # has a deadlock: 1 1 1 0 0 0; failed: 1 1 0 0 0 1 -> phi = 1/3
     assert r["phi_deadlock_failure"] == pytest.approx(1 / 3, abs=1e-4)
     assert deadlock_report([([], True)])["phi_deadlock_failure"] is None
+
+
+def test_the_hint_tells_a_stuck_agent_after_k_steps_and_the_trajectory_keeps_the_envs_text(task):
+    """The deadlock intervention, in the one episode loop: a policy that repeats a call the env refuses changes
+    nothing; from the third such step on, its next observation (and so its prompt) ends with the neutral note."""
+    from agent.episode import Reply, hint_text, play
+    from agent.metrics import DEADLOCK_K
+    from sandbox.gym_env import SandboxEnv
+
+    class Stubborn:   # a real policy: it reads the prompt and keeps asking for a thing that is not there
+        name, reads_prompt = "stubborn", True
+
+        def __init__(self):
+            self.seen: list[str] = []
+
+        def start(self, episode, env, seed):
+            pass
+
+        def act(self, requests):
+            self.seen += [r.observation for r in requests]
+            return [Reply(action={"name": "pick_up", "arguments": {"object": "no_such_thing"}}) for _ in requests]
+
+    runs = {}
+    for hint in (None, DEADLOCK_K):
+        policy = Stubborn()
+        traj = play(SandboxEnv, policy, [({"task": task}, 0)], max_steps=5, deadlock_hint=hint).trajectories[0]
+        runs[hint] = (policy.seen, traj)
+    seen, traj = runs[DEADLOCK_K]
+    assert ["nothing has changed" in o for o in seen] == [False, False, False, True, True]
+    assert seen[3].endswith(hint_text(3)) and seen[4].endswith(hint_text(4))
+    assert hint_text(3) in traj.turns[3].prompt[-1]["content"]
+    assert all("nothing has changed" not in u.observation for u in traj.turns)
+    plain_seen, plain = runs[None]
+    assert not any("nothing has changed" in o for o in plain_seen)
+    assert [u.observation for u in plain.turns] == [u.observation for u in traj.turns]
