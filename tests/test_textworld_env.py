@@ -178,6 +178,17 @@ def test_the_teacher_wins_from_what_the_agent_saw(games, name):
     assert traj.success and len(traj.turns) <= 2 * traj.optimal_steps and not env_calls
 
 
+def test_a_cooking_game_is_won_by_its_walkthrough_in_skills(tmp_path):
+    """Cooking verbs go through `operate`, including the one whose thing does not exist before it: "prepare
+    meal" (it was `unknown_entity`, so even the game's own plan lost every cooking game)."""
+    env = TextWorldEnv()
+    env.reset(options={"task": {"id": "cook", "game": str(make_game(GameSpec(kind="cooking", recipe=1, seed=9000),
+                                                                     tmp_path))}})
+    assert "prepare meal" in env._state["extra.walkthrough"]
+    info = _play_walkthrough(env)
+    assert info["success"] and env.won
+
+
 def test_a_game_that_ends_on_unlocking_is_won_by_open(tmp_path):
     """`open` unlocks first when the key is held; when unlocking wins the game (the quest wants the safe unlocked,
     not opened), the env stops there: nothing is sent to a finished game, whose next state would say "not won"."""

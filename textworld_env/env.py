@@ -220,6 +220,11 @@ class TextWorldEnv(gym.Env):
         target = str(args.get("object") or args.get("target") or args.get("device") or "")
         if target == b.place and target not in b.things and name == "inspect":
             return self._send("look")               # the room itself
+        if name == "operate" and target not in b.things:
+            # what an operation makes does not exist before it ("prepare meal"): the game's own command names it
+            command = f"{args.get('action', '')} {target.replace('_', ' ')}"
+            if str(args.get("action", "")) in OPERATE_VERBS and command in self._state.admissible_commands:
+                return self._send(command)
         if target not in b.things:                  # a room is no thing to take, open, put or operate
             return f"I know no {target!r} here or anywhere I have been.", "unknown_entity"
         tname = b.things[target][0]
