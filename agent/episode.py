@@ -8,7 +8,8 @@ play their episodes through here, with the one prompt builder and the one parser
 
 One step of one episode (`Episode.request`, then `Episode.record`):
 
-    prompt    agent.prompt.build_step_messages(task, info["known"], memory, observation, steps, budget)
+    prompt    agent.prompt.build_step_messages(task, info["known"], memory, observation, steps, budget), the
+              task line at the run's instruction granularity (goal, step, visual: `agent.instructions`)
     reply     the policy's answer: text (and token ids and log-probs when the engine has them)
     parse     agent.parser reads the reply once: a skill call, or a parse error
     step      env.step(call) or env.step({"parse_error": message})
@@ -34,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
+from agent.instructions import check_granularity, instruction_text
 from agent.models import ModelError
 from agent.parser import ParseError, ToolCall, parse_action
 from agent.prompt import StepMemory, build_step_messages
@@ -95,7 +97,7 @@ class Episode:
     """One episode in progress: the env, the trajectory being recorded, the memory the prompt shows."""
 
     def __init__(self, env: Any, policy_name: str, seed: int, options: dict | None = None, memory_size: int = 4,
-                 max_steps: int | None = None, deadlock_hint: int | None = None):
+                 max_steps: int | None = None, deadlock_hint: int | None = None, instructions: str = "goal"):
         if memory_size < 0:
             raise ValueError(f"memory_size must be >= 0, not {memory_size}")
         if deadlock_hint is not None and deadlock_hint < 1:
@@ -103,8 +105,14 @@ class Episode:
         # the intervention (PokeGym's): after `deadlock_hint` steps in a row that changed nothing, the next
         # observation the policy reads ends with a neutral note (the trajectory keeps the env's own text)
         self.deadlock_hint, self.still = deadlock_hint, 0
+        # how much of the plan the task line gives (`agent.instructions`): goal | step | visual
+        self.instructions = check_granularity(instructions)
         obs, info = env.reset(seed=seed, options=options)
         task = info["task"]
+        self.procedure = task.get("procedure")
+        if instructions != "goal" and not self.procedure:
+            raise ValueError(f"instructions {instructions!r}: task {task['id']} has no procedure (the env gives "
+                             f"none)")
         self.env, self.observation, self.info = env, obs, info
         self.memory = StepMemory(size=memory_size)
         self.max_steps = max_steps
@@ -122,8 +130,14 @@ class Episode:
         """The next decision: the step prompt from the instruction, what the agent knows, its memory and the
         observation."""
         info = self.info
-        messages = build_step_messages(self.trajectory.instruction, info["known"], self.memory, self.observation,
-                                       info["steps"], info["step_budget"]) if with_prompt else []
+        if not with_prompt:
+            messages = []
+        else:
+            goal = self.trajectory.instruction
+            task = None if self.instructions == "goal" else instruction_text(goal, self.procedure,
+                                                                              self.instructions, info["known"])
+            messages = build_step_messages(goal, info["known"], self.memory, self.observation, info["steps"],
+                                           info["step_budget"], task=task)
         return Request(episode=index, seed=self.trajectory.seed, step=info["steps"], observation=self.observation,
                        info=info, messages=messages)
 
@@ -191,14 +205,15 @@ class Played:
 def play(make_env: Callable[[], Any], policy: Policy, starts: Sequence[tuple[dict | None, int]], *,
          batch_size: int | None = None, memory_size: int = 4, max_steps: int | None = None,
          raise_errors: bool = True, on_done: Callable[[int, Episode], None] | None = None,
-         deadlock_hint: int | None = None) -> Played:
+         deadlock_hint: int | None = None, instructions: str = "goal") -> Played:
     """Play one episode per `(reset options, seed)` in `starts` with `policy`, `batch_size` episodes at a time
     in lockstep (default: all at once), each in a fresh env from `make_env()`.
 
     `max_steps` caps every episode's steps (RL rollouts; the task's own budget applies anyway). `on_done(i,
     episode)` is called as each episode ends (its trajectory is complete, or `episode.error` says why not).
     A `ModelError` reply is raised at once, or with `raise_errors=False` ends that episode unrecorded.
-    `deadlock_hint` (steps): the deadlock intervention (`Episode`)."""
+    `deadlock_hint` (steps): the deadlock intervention (`Episode`). `instructions`: goal | step | visual, how
+    much of the plan the task line gives (`agent.instructions`)."""
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, not {batch_size}")
     starts = list(starts)
@@ -209,7 +224,7 @@ def play(make_env: Callable[[], Any], policy: Policy, starts: Sequence[tuple[dic
         for i, (options, seed) in enumerate(starts[lo: lo + size], start=lo):
             env = make_env()
             episode = Episode(env, policy.name, seed, options, memory_size=memory_size, max_steps=max_steps,
-                              deadlock_hint=deadlock_hint)
+                              deadlock_hint=deadlock_hint, instructions=instructions)
             played.episodes.append(episode)
             policy.start(i, env, seed)
             live.append(i)

@@ -169,8 +169,9 @@ def render_known(known: dict) -> str:
 
 
 def build_step_messages(instruction: str, known: dict, memory: StepMemory, observation: str,
-                        step: int, budget: int) -> list[dict]:
-    """The chat messages for one decision (system + user)."""
+                        step: int, budget: int, task: str | None = None) -> list[dict]:
+    """The chat messages for one decision (system + user). `task`: the task line when it is not the instruction
+    itself (a finer instruction granularity, `agent.instructions`); the task objects are the instruction's."""
     parts = [f"Step {step + 1}/{budget}.", render_known(known)]
     if known["facts"]:
         parts.append("Facts: " + "; ".join(known["facts"]))
@@ -181,7 +182,7 @@ def build_step_messages(instruction: str, known: dict, memory: StepMemory, obser
     # the agent already knows of the objects it names (a tiny student does not learn that look-up by itself:
     # trained without this line, its choice of skill ignored which object the task names)
     parts.append(f"Task objects: {task_objects(instruction, known)}")
-    parts.append(f"Task: {instruction}")
+    parts.append(f"Task: {instruction if task is None else task}")
     parts.append("Next skill call?")
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "\n".join(parts)}]
 

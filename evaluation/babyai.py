@@ -26,6 +26,7 @@ from typing import Callable
 
 import numpy as np
 
+from agent.episode import hint_text
 from agent.metrics import Deadlock, Decision, deadlock_report, find_deadlocks
 from evaluation.isolation import PAYLOAD_KEYS, PolicyProcess, check_payload, probe  # noqa: F401 - re-exported
 from evaluation.pixel_report import wilson, write_strip  # noqa: F401 - re-exported
@@ -178,6 +179,7 @@ class PolicySpec:
     skill_budget: int = 30
     max_new_tokens: int = 96
     constrained: bool = False             # a model's calls: well-formed, over ids its prompt shows
+    instructions: str = "goal"            # a model's task line: goal | step | visual (`agent.instructions`)
     vision_model: str | None = None       # perception by an OpenAI-compatible vision model instead of sprites
     vision_base_url: str | None = None
     vision_api_key_env: str = "OPENAI_API_KEY"
@@ -197,7 +199,8 @@ def build_agent(spec: PolicySpec):
     else:
         from agent.clients import TransformersClient
         policy = PixelModel(TransformersClient(spec.policy, max_new_tokens=spec.max_new_tokens,
-                                               constrained=spec.constrained), name=spec.policy)
+                                               constrained=spec.constrained), name=spec.policy,
+                            instructions=spec.instructions)
     perception = None
     if spec.vision_model:
         from agent.clients import OpenAIClient
@@ -226,7 +229,7 @@ def _signature(env) -> tuple:
 
 
 def run_episode(env, proc: PolicyProcess, level: str, seed: int, view: str, tile_size: int,
-                deadlock_turns: int = 16, keep_frames: bool = False) -> dict:
+                deadlock_turns: int = 16, keep_frames: bool = False, deadlock_hint: bool = False) -> dict:
     obs, _ = quiet_reset(env, seed)
     u = env.unwrapped
     mission = obs["mission"]
@@ -267,7 +270,9 @@ def run_episode(env, proc: PolicyProcess, level: str, seed: int, view: str, tile
     decisions: list[Decision] = []   # one per turn: the state after it, the skill running, what was thought
     call = None
     while True:
-        reply = proc.call(op="act", frame=frame)
+        # the deadlock intervention: after `deadlock_turns` turns that changed nothing, a neutral note
+        reply = proc.call(op="act", frame=frame, note=hint_text(still)) if deadlock_hint and still >= deadlock_turns \
+            else proc.call(op="act", frame=frame)
         turns += 1
         score(reply)
         new = [{k: e[k] for k in ("thought", "call", "ok", "error", "observation")} for e in reply["events"]]
@@ -310,11 +315,17 @@ def evaluate_babyai(level: str, policy: str, episodes: int, out: Path, seed: int
                     tile_size: int = 8, skill_budget: int = 30, deadlock_turns: int = 16, bot: bool = True,
                     strips: int = 3, progress: Callable[[int], None] | None = None,
                     vision_model: str | None = None, vision_base_url: str | None = None,
-                    vision_api_key_env: str = "OPENAI_API_KEY", constrained: bool = False) -> dict:
+                    vision_api_key_env: str = "OPENAI_API_KEY", constrained: bool = False,
+                    instructions: str = "goal", deadlock_hint: bool = False) -> dict:
     """Run `episodes` episodes (seeds seed .. seed+episodes-1) of one level; write metrics.json, episodes.jsonl,
     report.md and frame strips under `out`; return the metrics. `constrained`: a model folder's decoding writes
     only well-formed calls over ids its prompt shows (`agent.constrained`). `level`: a short name or any registered
-    BabyAI (or MiniGrid) id; an episode the skills cannot express raises `LevelError` saying which part."""
+    BabyAI (or MiniGrid) id; an episode the skills cannot express raises `LevelError` saying which part.
+    `instructions`: a model's task line, goal | step | visual (`agent.instructions`; the expert and random
+    policies read the mission, not a task line). `deadlock_hint`: after `deadlock_turns` turns that changed
+    nothing, the policy's next observation ends with `agent.episode.hint_text` (a model reads it)."""
+    from agent.instructions import check_granularity
+    check_granularity(instructions)
     env_id = level_id(level)
     if view not in VIEWS:
         raise ValueError(f"unknown view {view!r}; choose one of {', '.join(VIEWS)}")
@@ -326,12 +337,13 @@ def evaluate_babyai(level: str, policy: str, episodes: int, out: Path, seed: int
     check_level(env, quiet_reset(env, seed)[0]["mission"], seed)   # before the policy process starts
     spec = PolicySpec(policy=policy, view=view, tile_size=tile_size, skill_budget=skill_budget,
                       vision_model=vision_model, vision_base_url=vision_base_url,
-                      vision_api_key_env=vision_api_key_env, constrained=constrained)
+                      vision_api_key_env=vision_api_key_env, constrained=constrained, instructions=instructions)
     rows = []
     t0 = time.time()
     with PolicyProcess(spec) as proc:
         for i in range(episodes):
-            r = run_episode(env, proc, level, seed + i, view, tile_size, deadlock_turns, keep_frames=i < strips)
+            r = run_episode(env, proc, level, seed + i, view, tile_size, deadlock_turns, keep_frames=i < strips,
+                            deadlock_hint=deadlock_hint)
             if bot:
                 r["bot_steps"] = bot_steps(level, seed + i, r["max_steps"])
             if r["frames"]:
@@ -342,7 +354,9 @@ def evaluate_babyai(level: str, policy: str, episodes: int, out: Path, seed: int
                 progress(1)
         audit = sorted(set(proc.sent))
     m = summarize(rows)
-    m.update({"level": level, "env_id": env_id, "policy": policy, "view": view, "tile_size": tile_size,
+    m["deadlock_taxonomy"]["hint"] = deadlock_hint
+    m.update({"level": level, "env_id": env_id, "policy": policy, "instructions": instructions, "view": view,
+              "tile_size": tile_size,
               "perception": f"vision:{vision_model}" if vision_model else "sprites",
               "seed": seed, "skill_budget": skill_budget, "deadlock_turns": deadlock_turns,
               "payload_keys": [list(k) for k in audit], "wall_s": round(time.time() - t0, 1)})

@@ -3,7 +3,8 @@
 `PolicyProcess(spec)` spawns a process (sharing no memory with the evaluator) that builds its agent with
 `spec.build()` and answers `reset` (the instruction and the first frame), `act` (a frame) and `probe` (what the
 process can reach: environment objects, browser pages; there must be none) until `close`. Every message passes
-`check_payload`: only the op, the mission or instruction text, an RGB frame and a seed. The evaluator alone
+`check_payload`: only the op, the mission or instruction text, an RGB frame, a seed and the deadlock hint's
+note. The evaluator alone
 holds the environment, its internal state and the verifier. BabyAI and the browser track both use it.
 """
 
@@ -13,12 +14,14 @@ import contextlib
 import gc
 import multiprocessing as mp
 import os
+import re
 import sys
 import time
 
 import numpy as np
 
-PAYLOAD_KEYS = {"op", "mission", "frame", "seed"}  # all the policy process ever receives
+# all the policy process ever receives; `note` is the deadlock hint's neutral text (`agent.episode.hint_text`)
+PAYLOAD_KEYS = {"op", "mission", "frame", "seed", "note"}
 
 
 def _serve(conn, spec) -> None:
@@ -39,7 +42,7 @@ def _serve(conn, spec) -> None:
             if op == "reset":
                 conn.send(agent.reset(msg["mission"], msg["frame"], msg.get("seed", 0)))
             elif op == "act":
-                conn.send(agent.act(msg["frame"]))
+                conn.send(agent.act(msg["frame"], note=msg["note"]) if "note" in msg else agent.act(msg["frame"]))
             elif op == "probe":
                 conn.send(probe())
             else:
@@ -60,8 +63,12 @@ def probe() -> dict:
     return {"pid": os.getpid(), "env_objects": envs, "browser_objects": pages}
 
 
+_NOTE = re.compile(r"Note: nothing has changed for \d+ steps\.")
+
+
 def check_payload(msg: dict) -> dict:
-    """Every message to the policy process passes here: only the op, the mission text, the RGB frame and a seed."""
+    """Every message to the policy process passes here: only the op, the mission text, the RGB frame, a seed and
+    the deadlock hint's note (which must be the hint's own words: nothing else can travel in it)."""
     extra = set(msg) - PAYLOAD_KEYS
     if extra:
         raise ValueError(f"the policy process may not receive {sorted(extra)}")
@@ -70,6 +77,8 @@ def check_payload(msg: dict) -> dict:
         raise ValueError("the frame must be an HxWx3 uint8 array")
     if "mission" in msg and not isinstance(msg["mission"], str):
         raise ValueError("the mission must be text")
+    if "note" in msg and not (isinstance(msg["note"], str) and _NOTE.fullmatch(msg["note"])):
+        raise ValueError(f"the note must be the deadlock hint's text, not {msg['note']!r}")
     return msg
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from agent.instructions import check_granularity, instruction_text
 from agent.policies import decide
 from agent.prompt import StepMemory, build_step_messages
 from evaluation.gridworld import GridBelief, Outcome, SkillExecutor
@@ -90,6 +91,26 @@ def task_text(mission: str) -> str:
     t = re.sub(r"\ba (?=(?:red |green |blue |purple |yellow |grey )?(?:key|ball|box|door|object)\b)", "the ",
                mission.strip().rstrip("."))
     return t[:1].upper() + t[1:] + "."
+
+
+def mission_procedure(mission: str) -> list[dict]:
+    """The mission as plan steps for `--instructions step|visual` (`agent.instructions`), after BabyAI's verifier
+    structure and its bot's plan: each subtask in the order to do it, a pick-up or an open preceded by going to
+    the thing, a put-next by picking the object up; each names only what the mission names (`{"text",
+    "things"}`, the things by their words, "red ball", looked up in the agent's belief for visual anchors)."""
+    steps = []
+    for st in parse_mission(mission):
+        what = st.obj.text + {"front": " in front of you", "behind": " behind you", "left": " on your left",
+                              "right": " on your right"}.get(st.obj.loc or "", "")
+        if st.op == "go_to":
+            steps.append({"text": f"go to the {what}", "things": [st.obj.text]})
+        elif st.op in ("pick_up", "open"):
+            steps += [{"text": f"go to the {what}", "things": [st.obj.text]},
+                      {"text": f"{st.op.replace('_', ' ')} the {what}", "things": [st.obj.text]}]
+        else:
+            steps += [{"text": f"pick up the {what}", "things": [st.obj.text]},
+                      {"text": f"put it next to the {st.other.text}", "things": [st.other.text]}]
+    return steps
 
 
 # ----------------------------------------------------------------------------- skill policies
@@ -423,14 +444,17 @@ class PixelModel:
     """Any `agent.models.ChatModel` (a sandbox-trained student) through the shared prompt builder and parser: the
     prompt is `build_step_messages` over the belief's known map, exactly the sandbox's format."""
 
-    def __init__(self, client, name: str | None = None, memory_size: int = 4, budget: int = 30):
+    def __init__(self, client, name: str | None = None, memory_size: int = 4, budget: int = 30,
+                 instructions: str = "goal"):
         self.client = client
         self.name = name or getattr(client, "name", "model")
         self.memory_size = memory_size
         self.budget = budget
+        self.instructions = check_granularity(instructions)   # the task line: goal | step | visual
 
     def reset(self, mission: str, b: GridBelief, seed: int = 0) -> None:
         self.task = task_text(mission)
+        self.procedure = mission_procedure(mission)
         self.memory = StepMemory(size=self.memory_size)
         self.seed = seed
         self.step = 0
@@ -442,8 +466,17 @@ class PixelModel:
         self.memory.add(call if isinstance(call, dict) else None, outcome.error, outcome.text)
         self.observation = outcome.text
 
+    def hint(self, note: str) -> None:
+        """The deadlock intervention: the observation the next prompt shows ends with the note."""
+        if note not in self.observation:
+            self.observation = f"{self.observation}\n{note}"
+
     def act(self, b: GridBelief) -> tuple[str, dict | str]:
-        messages = build_step_messages(self.task, b.known(), self.memory, self.observation, self.step, self.budget)
+        known = b.known()
+        line = None if self.instructions == "goal" else instruction_text(self.task, self.procedure,
+                                                                          self.instructions, known)
+        messages = build_step_messages(self.task, known, self.memory, self.observation, self.step, self.budget,
+                                       task=line)
         self.last_prompt = messages
         thought, action, self.last_raw, _ = decide(self.client, messages, self.seed, self.step)
         self.step += 1
@@ -483,7 +516,11 @@ class PixelAgent:
         self.last_action = None
         return {"percept": p.to_payload(), "pose": self.b.pose, "start": getattr(self.b, "start", self.b.pose)}
 
-    def act(self, frame: np.ndarray) -> dict:
+    def act(self, frame: np.ndarray, note: str | None = None) -> dict:
+        """The next primitive action for `frame`. `note`: the deadlock hint, shown to a model policy with its
+        next decision (scripted policies do not read text)."""
+        if note is not None and hasattr(self.policy, "hint"):
+            self.policy.hint(note)
         p = self.perception.perceive(frame, self.view)
         self.b.update(p, self.last_action)
         events = []

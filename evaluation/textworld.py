@@ -127,10 +127,11 @@ def textworld_metrics(trajs: list[Trajectory], types: dict[str, tuple[str, int |
 
 def evaluate_textworld(games: str | Path | list[Path], policy: str, out: Path, seed: int = 0,
                        progress: Callable[[int], None] | None = None, batch_size: int = 16,
-                       constrained: bool = False, deadlock_hint: bool = False) -> dict:
+                       constrained: bool = False, deadlock_hint: bool = False, instructions: str = "goal") -> dict:
     """Play every game once with `policy` and write OUT/ (see the module docstring); returns the metrics.
     `deadlock_hint`: the deadlock intervention (`agent.episode.hint_text` after `agent.metrics.DEADLOCK_K` calls
-    that changed nothing)."""
+    that changed nothing). `instructions`: the task line a model reads, goal | step | visual (`agent.instructions`:
+    the step procedure is the walkthrough's; the scripted policies act on the game, not on a task line)."""
     from textworld_env.env import TextWorldEnv
     paths = games if isinstance(games, list) else find_games(games)
     ids = [p.stem for p in paths]
@@ -143,13 +144,14 @@ def evaluate_textworld(games: str | Path | list[Path], policy: str, out: Path, s
                   [({"task": {"id": p.stem, "game": str(p), "difficulty": types[p.stem][0]}},
                     episode_seed(seed, p.stem)) for p in paths],
                   batch_size=batch_size, on_done=(lambda i, e: progress(1)) if progress else None,
-                  deadlock_hint=DEADLOCK_K if deadlock_hint else None)
+                  deadlock_hint=DEADLOCK_K if deadlock_hint else None, instructions=instructions)
     seconds = time.time() - t0
     trajs = played.trajectories
     metrics = {"env": "textworld", "policy": policy, "games": len(trajs), "seed": seed,
                **textworld_metrics(trajs, types), "seconds": round(seconds, 1),
                "env_steps_per_second": round(sum(len(t.turns) for t in trajs) / max(played.env_seconds, 1e-9), 1)}
     metrics["deadlocks"]["hint"] = deadlock_hint
+    metrics["instructions"] = instructions
     if policy not in SCRIPTED:
         metrics["constrained_decoding"] = constrained
     out.mkdir(parents=True, exist_ok=True)

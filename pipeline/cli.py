@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 from tqdm import tqdm
 
+from agent.instructions import GRANULARITIES
 from distill.card import CardError
 from distill.dataset import DatasetBuildError
 from distill.hub import PushError, push_dataset
@@ -89,19 +90,28 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
                                                                       "endpoint"),
              deadlock_hint: bool = typer.Option(False, "--deadlock-hint",
                                                 help="sandbox/textworld: after 3 calls in a row that change "
-                                                     "nothing, the next observation says so (the deadlock "
-                                                     "intervention; metrics.json shows recovery with it)"),
+                                                     "nothing (babyai: 16 turns), the next observation says so "
+                                                     "(the deadlock intervention; metrics.json shows recovery "
+                                                     "with it)"),
+             instructions: str = typer.Option("goal", help="sandbox/babyai/textworld: the task line a model "
+                                                           "reads: goal (the instruction) | step (and the plan's "
+                                                           "ordered steps) | visual (the steps with where the "
+                                                           "agent has seen their things)"),
              quiet: bool = typer.Option(False, help="no progress bar")):
     """Run a policy on a split (sandbox), on a BabyAI level from RGB frames (babyai:LEVEL), on a browser task or
     on TextWorld games (textworld:PATH) and write metrics.json: TSR, GCR, steps, invalid-action rate per
     difficulty; or success with a Wilson interval, steps against BabyAI's bot, deadlocks and perception accuracy,
     with report.md and frame strips; or games won per game type and level with Wilson intervals."""
     spec = Path(policy).is_file() and Path(policy).suffix in (".yaml", ".yml", ".json")
+    if instructions not in GRANULARITIES:
+        _fail(f"--instructions must be one of {', '.join(GRANULARITIES)}, not {instructions!r}")
+    if instructions != "goal" and env.startswith("browser:"):
+        _fail("--instructions step|visual is for the sandbox, BabyAI and TextWorld, not browser tasks")
     if env.startswith("textworld:"):
-        _eval_textworld(recipe, env.split(":", 1)[1], policy, out, quiet, deadlock_hint)
+        _eval_textworld(recipe, env.split(":", 1)[1], policy, out, quiet, deadlock_hint, instructions)
         return
-    if deadlock_hint and env != "sandbox":
-        _fail(f"--deadlock-hint is for the sandbox and TextWorld games, not {env.split(':')[0]} (yet)")
+    if deadlock_hint and env.startswith("browser:"):
+        _fail("--deadlock-hint is for the sandbox, BabyAI and TextWorld games, not browser tasks (yet)")
     if policy not in ("expert", "random", "oracle") and not spec and not (Path(policy) / "config.json").is_file():
         _fail(f"--policy must be expert, random, a model folder with config.json or a client spec file (.yaml), "
               f"not {policy!r} (oracle: TextWorld only)")
@@ -122,12 +132,14 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
         try:
             m = evaluate_babyai(level, policy, episodes, out, seed=r.eval.seed, view=view, progress=bar.update,
                                 vision_model=vision_model, vision_base_url=vision_base_url,
-                                constrained=r.eval.constrained and policy not in ("expert", "random"))
+                                constrained=r.eval.constrained and policy not in ("expert", "random"),
+                                instructions=instructions, deadlock_hint=deadlock_hint)
         except LevelError as e:   # a mission or a cell the skills cannot express
             _fail(str(e))
         finally:
             bar.close()
-        typer.echo(json.dumps({k: m[k] for k in ("level", "policy", "episodes", "success_rate", "success_wilson95",
+        typer.echo(json.dumps({k: m[k] for k in ("level", "policy", "instructions", "episodes", "success_rate",
+                                                 "success_wilson95",
                                                  "mean_steps", "step_ratio_to_bot", "invalid_action_rate",
                                                  "deadlocks", "perception_accuracy")}))
         return
@@ -163,18 +175,19 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
             _fail("--policy oracle is the TextWorld game's own plan: a recipe with env: textworld, or "
                   "--env textworld:PATH")
         m = run_eval(r, load_client_spec(policy) if spec else policy, split, out, tasks, show_progress=not quiet,
-                     deadlock_hint=deadlock_hint)
+                     deadlock_hint=deadlock_hint, instructions=instructions)
     except RecipeError as e:
         _fail(str(e))
     if r.env == "textworld":
         typer.echo(_textworld_summary(m))
         return
     typer.echo(json.dumps({**{d: {"tsr": m[d]["tsr"], "gcr": m[d]["gcr"], "episodes": m[d]["episodes"]}
-                              for d in ("easy", "medium", "hard", "all")}, "deadlocks": _deadlocks(m)}))
+                              for d in ("easy", "medium", "hard", "all")}, "instructions": instructions,
+                           "deadlocks": _deadlocks(m)}))
 
 
-def _eval_textworld(recipe: Path, games: str, policy: str, out: Path, quiet: bool, deadlock_hint: bool = False
-                    ) -> None:
+def _eval_textworld(recipe: Path, games: str, policy: str, out: Path, quiet: bool, deadlock_hint: bool = False,
+                    instructions: str = "goal") -> None:
     """`eval --env textworld:PATH`: every game at PATH (a `.z8`/`.ulx` file or a folder of them, from tw-make)."""
     # the textworld extra: imported only when asked for
     from evaluation.textworld import SCRIPTED, GameFolderError, evaluate_textworld, find_games
@@ -187,13 +200,15 @@ def _eval_textworld(recipe: Path, games: str, policy: str, out: Path, quiet: boo
         _fail(str(e))
     bar = tqdm(total=len(paths), desc=f"{policy} on {games}", unit="game", disable=quiet)
     m = evaluate_textworld(paths, policy, out, seed=r.eval.seed, progress=bar.update,
-                           constrained=r.eval.constrained and policy not in SCRIPTED, deadlock_hint=deadlock_hint)
+                           constrained=r.eval.constrained and policy not in SCRIPTED, deadlock_hint=deadlock_hint,
+                           instructions=instructions)
     bar.close()
     typer.echo(_textworld_summary(m))
 
 
 def _textworld_summary(m: dict) -> str:
-    return json.dumps({"policy": m["policy"], "games": m["games"], **{k: m["all"][k] for k in (
+    return json.dumps({"policy": m["policy"], "instructions": m["instructions"], "games": m["games"],
+                       **{k: m["all"][k] for k in (
         "won_rate", "won_wilson95", "score_ratio", "mean_steps", "steps_over_walkthrough", "invalid_call_rate")},
         "by_type": {k: v["won_rate"] for k, v in m["by_type"].items()}, "deadlocks": _deadlocks(m)})
 

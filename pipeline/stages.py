@@ -231,9 +231,10 @@ def human_factory(recipe: Recipe):
 
 
 def run_eval(recipe: Recipe, policy: str | ClientSpec, split: str, out: Path, tasks_dir: Path | None = None,
-             show_progress: bool = True, deadlock_hint: bool = False) -> dict:
+             show_progress: bool = True, deadlock_hint: bool = False, instructions: str = "goal") -> dict:
     """Play `policy` (expert, random, a model folder or a client spec) on a split; writes OUT/metrics.json,
-    OUT/trajectories.jsonl and OUT/manifest.json. `deadlock_hint`: the deadlock intervention."""
+    OUT/trajectories.jsonl and OUT/manifest.json. `deadlock_hint`: the deadlock intervention. `instructions`: the
+    task line's granularity, goal | step | visual (`agent.instructions`)."""
     bar = StageBar("eval", enabled=show_progress)
     if tasks_dir is not None:
         tasks = load_tasks(tasks_dir, split, recipe.env)
@@ -248,7 +249,7 @@ def run_eval(recipe: Recipe, policy: str | ClientSpec, split: str, out: Path, ta
         bar.phase(f"{policy} on {split}", len(tasks), unit="game")
         metrics = evaluate_textworld([Path(t.game) for t in tasks], policy, out, seed=recipe.eval.seed,
                                      progress=bar.update, constrained=recipe.eval.constrained,
-                                     deadlock_hint=deadlock_hint)
+                                     deadlock_hint=deadlock_hint, instructions=instructions)
         bar.close()
         metrics["split"] = split
         write_json(out / "metrics.json", metrics)
@@ -257,7 +258,7 @@ def run_eval(recipe: Recipe, policy: str | ClientSpec, split: str, out: Path, ta
     bar.phase(f"{name} on {split}", len(tasks), unit="ep")
     metrics, trajs = evaluate(tasks, policy, seed=recipe.eval.seed, progress=bar.update,
                               human_factory=human_factory(recipe), constrained=recipe.eval.constrained,
-                              deadlock_hint=deadlock_hint)
+                              deadlock_hint=deadlock_hint, instructions=instructions)
     bar.close()
     metrics["policy"], metrics["split"] = name, split
     if isinstance(policy, str) and policy not in ("expert", "random"):

@@ -30,7 +30,8 @@ with `agent.parser`, and passes one of the two).
     answer           the answer of a `report` the controller accepted, else None
 
 `reset` adds `task`: id, instruction, difficulty, scene, subgoals ([{id, description, kind}]), optimal_steps,
-step_budget: what a trajectory records about its episode. The reward is the sandbox's own signal, 1.0 when
+step_budget: what a trajectory records about its episode; and `procedure`, the plan as steps for the finer
+instruction granularities (`task_procedure`, `agent.instructions`). The reward is the sandbox's own signal, 1.0 when
 the episode ends in success, else 0.0 (the reward engine adds turn-level rewards on top).
 """
 
@@ -46,9 +47,61 @@ from sandbox.controller import EnvController
 from sandbox.observation import KnownMap
 from sandbox.schema import TaskInstance
 from sandbox.skills import HELP_SKILLS, StepResult
+from sandbox.text import normalize
 from sandbox.world import Compiled
 
 _CHARSET = string.printable
+
+
+def _says(text: str, phrase: str) -> bool:
+    return bool(normalize(phrase)) and f" {normalize(phrase)} " in f" {normalize(text)} "
+
+
+def _named(task: TaskInstance, eid: str) -> tuple[str, str]:
+    """How the instruction names a thing a subgoal is about: (the words a step says, the words to look it up by
+    in the known map). An object the instruction names by its owner ("Grandpa Joe's phone") is said so and looked
+    up by its kind ("phone": every phone the agent has seen): which phone is his is on its name tag, which the
+    agent reads by inspecting it, so neither its colour nor its id may say so."""
+    st = task.env_state
+    place = next((p.name for p in st.places if p.id == eid), None)
+    if place is not None:
+        return place, place
+    o = next((o for o in st.objects if o.id == eid), None)
+    if o is None:                              # a door: the instruction names it as its id reads
+        return eid.replace("_", " "), eid
+    kind = o.type.replace("_", " ")
+    words = next((w for w in (o.name, f"{o.color} {kind}" if o.color else "", kind)
+                  if w and _says(task.instruction, w)), kind)
+    owner = next((p.name for p in st.people if p.id == o.owner), None)
+    if owner and _says(task.instruction, f"{owner}'s {words}"):
+        return f"{owner}'s {words}", words
+    return f"the {words}", words
+
+
+def task_procedure(task: TaskInstance) -> list[dict]:
+    """The task's plan as ordered steps for `--instructions step|visual`: its subgoals in order, then finish, each
+    `{"text", "things"}` (the words of what the step names, which `agent.instructions` looks up in the agent's
+    known map for visual anchors). A step names things as the instruction does (a subgoal's description may name
+    an object by what only inspecting it shows, such as the colour of Grandpa Joe's phone), and a report's step
+    says "report the answer" (its description holds the answer: "report that it is in the west room")."""
+    steps = []
+    for g in task.subgoals:
+        p = g.predicate
+        if p.kind == "reported":
+            steps.append({"text": "report the answer", "things": []})
+            continue
+        text, things = g.description, []
+        for field in ("object", "other", "place", "door", "location"):
+            eid = getattr(p, field, None)
+            if not eid:
+                continue
+            said, words = _named(task, eid)
+            o = next((o for o in task.env_state.objects if o.id == eid), None)
+            if o is not None and not _says(text, said):
+                text = text.replace(f"the {o.name}", said).replace(o.name, said)
+            things.append(words)
+        steps.append({"text": text, "things": things})
+    return steps + [{"text": "finish", "things": []}]
 
 
 class SandboxEnv(gym.Env):
@@ -141,7 +194,7 @@ class SandboxEnv(gym.Env):
         info["task"] = {"id": task.id, "instruction": task.instruction, "difficulty": task.difficulty,
                         "scene": task.scene, "optimal_steps": task.optimal_steps, "step_budget": task.step_budget,
                         "subgoals": [{"id": g.id, "description": g.description, "kind": g.predicate.kind}
-                                     for g in task.subgoals]}
+                                     for g in task.subgoals], "procedure": task_procedure(task)}
         return self._last_obs, info
 
     def step(self, action: dict):

@@ -319,3 +319,36 @@ def test_first_person_belief_tracks_its_pose_and_keeps_room_ids(detector):
         x, y, _ = world_pose((int(cx), int(cy), 3), b.start, start)
         if (x, y) != (int(u.agent_pos[0]), int(u.agent_pos[1])):
             assert tuple(b.cells[cx, cy]) == tuple(truth[x, y])
+
+
+def test_the_deadlock_hint_and_the_step_instructions_reach_a_students_prompt(tmp_path):
+    """`--deadlock-hint` on pixels: after the deadlock window the evaluator sends the hint's note (and nothing else
+    can travel in it); a model policy's next prompt shows it, and its task line is the granularity asked for."""
+    from agent.clients import TransformersClient
+    from agent.episode import hint_text
+    from evaluation.pixel_agent import PixelAgent, PixelModel
+    from sft.student import StudentConfig, build_tiny_student, train_tokenizer
+
+    m = evaluate_babyai("GoToLocal", "random", 6, tmp_path / "random", seed=0, bot=False, strips=0,
+                        deadlock_turns=3, deadlock_hint=True)
+    assert m["deadlock_taxonomy"]["hint"] is True and m["deadlocks"] >= 1
+    assert ["frame", "note", "op"] in m["payload_keys"]          # the note went out, after a deadlock
+    check_payload({"op": "act", "note": hint_text(7)})
+    with pytest.raises(ValueError, match="the deadlock hint's text"):
+        check_payload({"op": "act", "note": "Note: the red ball is behind the grey door."})
+
+    texts = ["Go to the red ball. You are in the north-west room [room_0_0]. navigate ( room_0_0) ball_1 key_2"] * 50
+    tok = train_tokenizer(texts, vocab_size=300)
+    model = build_tiny_student(StudentConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                                             num_kv_heads=1, max_positions=2048), tok)
+    model.save_pretrained(tmp_path / "student")
+    tok.save_pretrained(tmp_path / "student")
+    env = make_env("GoToLocal")
+    obs, _ = quiet_reset(env, 0)
+    agent = PixelAgent(PixelModel(TransformersClient(str(tmp_path / "student"), max_new_tokens=8),
+                                  instructions="step"))
+    agent.reset(obs["mission"], render(env, "topdown", 8), 0)
+    reply = agent.act(render(env, "topdown", 8), note=hint_text(16))
+    user = reply["events"][0]["prompt"][-1]["content"]              # the first decision after the note
+    assert "Note: nothing has changed for 16 steps." in user
+    assert "Steps: 1. go to the " in user

@@ -26,7 +26,7 @@ from pathlib import Path
 import gymnasium as gym
 from gymnasium import spaces
 
-from textworld_env.objective import goal_steps, step_things
+from textworld_env.objective import goal_steps, step_things, walkthrough_procedure
 
 DIRECTIONS = ("north", "south", "east", "west")
 OPPOSITE = {"north": "south", "south": "north", "east": "west", "west": "east"}
@@ -152,6 +152,7 @@ class TextWorldEnv(gym.Env):
         self._task = {"id": task.get("id", path.stem), "game": str(path), "instruction": self._state.objective,
                       "difficulty": task.get("difficulty", "textworld"), "scene": task.get("scene", path.stem),
                       "optimal_steps": len(walkthrough), "subgoals": [],
+                      "procedure": walkthrough_procedure(walkthrough),
                       "step_budget": int(task.get("step_budget") or max(10, 3 * len(walkthrough)))}
         self.belief, self.steps, self.done, self.won = Belief(), 0, False, False
         # the prompt's `Task objects` line: the things the objective's steps name (not every noun of its prose)

@@ -78,3 +78,37 @@ def step_things(steps: list[Step]) -> list[str]:
             if thing and thing not in out:
                 out.append(thing)
     return out
+
+
+# the walkthrough's commands that say nothing of the plan's things: a route (`go east`: the map the agent has not
+# seen) and looking around
+_NO_STEP = re.compile(r"^(?:go \w+|look|inventory|wait)$")
+
+
+def walkthrough_procedure(commands: list[str]) -> list[dict]:
+    """The game's walkthrough as plan steps for `--instructions step|visual` (`agent.instructions`), each
+    `{"text", "things"}`: what to do with which things, in order, never where: a route (`go east`) is left out,
+    and so is where a thing is taken from (`take old key from antique trunk` -> "take the old key"); where a
+    thing goes (`put`, `insert`), the door a key unlocks and the tool a verb uses are part of the step.
+    `examine cookbook` stays (it is how a cooking game gives its recipe)."""
+    steps = []
+    for command in commands:
+        c = " ".join(command.lower().split())
+        if not c or _NO_STEP.match(c):
+            continue
+        verb, _, rest = c.partition(" ")
+        if not rest:
+            steps.append({"text": verb, "things": []})
+            continue
+        if verb == "take":
+            rest = rest.split(" from ", 1)[0]
+            steps.append({"text": f"take the {rest}", "things": [rest]})
+            continue
+        for word in (" on ", " into ", " with "):
+            if word in rest:
+                a, b = rest.split(word, 1)
+                steps.append({"text": f"{verb} the {a}{word}the {b}", "things": [a, b]})
+                break
+        else:
+            steps.append({"text": f"{verb} the {rest}", "things": [rest]})
+    return steps
