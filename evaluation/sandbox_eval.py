@@ -42,12 +42,13 @@ def make_policy(policy: str | ClientSpec, constrained: bool = False, tools: list
 def evaluate(tasks: list[TaskInstance], policy: str | ClientSpec, seed: int = 0,
              progress: Callable[[int], None] | None = None, human_factory=None, batch_size: int = 16,
              constrained: bool = False, make_env: Callable | None = None,
-             tools: list[dict] | None = None, deadlock_hint: bool = False, instructions: str = "goal"
-             ) -> tuple[dict, list[Trajectory]]:
+             tools: list[dict] | None = None, deadlock_hint: bool = False, instructions: str = "goal",
+             deadlock_k: int = DEADLOCK_K) -> tuple[dict, list[Trajectory]]:
     """Play every task once (greedy for a model) and score the split: metrics per difficulty and "all".
     `make_env` and `tools`: a model (not the sandbox's expert or random agent) in another env, such as
-    TextWorld's (`evaluation.textworld` has that env's own baselines and report). `deadlock_hint`: after
-    `agent.metrics.DEADLOCK_K` steps that changed nothing the next observation says so (`agent.episode.hint_text`).
+    TextWorld's (`evaluation.textworld` has that env's own baselines and report). `deadlock_k`: the deadlock
+    window, steps in a row that change nothing (default `agent.metrics.DEADLOCK_K`); `deadlock_hint`: after that
+    many the next observation says so (`agent.episode.hint_text`).
     `instructions`: the task line a model reads, goal | step | visual (`agent.instructions`; the expert and random
     agents act on the env's state, not on a task line)."""
     if make_env is not None and policy in SCRIPTED:
@@ -56,8 +57,8 @@ def evaluate(tasks: list[TaskInstance], policy: str | ClientSpec, seed: int = 0,
     played = play(make_env, make_policy(policy, constrained, tools),
                   [({"task": t}, episode_seed(seed, t.id)) for t in tasks],
                   batch_size=batch_size, on_done=(lambda i, e: progress(1)) if progress else None,
-                  deadlock_hint=DEADLOCK_K if deadlock_hint else None, instructions=instructions)
+                  deadlock_hint=deadlock_k if deadlock_hint else None, instructions=instructions)
     metrics = split_metrics(played.trajectories)
-    metrics["deadlocks"] = {**trajectories_deadlock_report(played.trajectories), "hint": deadlock_hint}
+    metrics["deadlocks"] = {**trajectories_deadlock_report(played.trajectories, deadlock_k), "hint": deadlock_hint}
     metrics["instructions"] = instructions
     return metrics, played.trajectories

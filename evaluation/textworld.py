@@ -112,8 +112,10 @@ def _block(trajs: list[Trajectory]) -> dict:
             "loop_rate": round(sum(has_loop(t) for t in trajs) / n, 4) if n else 0.0}
 
 
-def textworld_metrics(trajs: list[Trajectory], types: dict[str, tuple[str, int | None]]) -> dict:
-    """Per type, per type and level (`coin_collector/5`), and `all`; `types`: task id -> (type, level)."""
+def textworld_metrics(trajs: list[Trajectory], types: dict[str, tuple[str, int | None]],
+                      deadlock_k: int = DEADLOCK_K) -> dict:
+    """Per type, per type and level (`coin_collector/5`), and `all`; `types`: task id -> (type, level);
+    `deadlock_k`: the deadlock window (calls)."""
     groups: dict[str, list[Trajectory]] = {}
     for t in trajs:
         kind, level = types[t.task_id]
@@ -122,15 +124,18 @@ def textworld_metrics(trajs: list[Trajectory], types: dict[str, tuple[str, int |
             groups.setdefault(f"{kind}/{level}", []).append(t)
     levels = sorted((k for k in groups if "/" in k), key=lambda k: (k.split("/")[0], int(k.split("/")[1])))
     return {"all": _block(trajs), "by_type": {k: _block(groups[k]) for k in sorted(groups) if "/" not in k},
-            "by_level": {k: _block(groups[k]) for k in levels}, "deadlocks": trajectories_deadlock_report(trajs)}
+            "by_level": {k: _block(groups[k]) for k in levels},
+            "deadlocks": trajectories_deadlock_report(trajs, deadlock_k)}
 
 
 def evaluate_textworld(games: str | Path | list[Path], policy: str, out: Path, seed: int = 0,
                        progress: Callable[[int], None] | None = None, batch_size: int = 16,
-                       constrained: bool = False, deadlock_hint: bool = False, instructions: str = "goal") -> dict:
+                       constrained: bool = False, deadlock_hint: bool = False, instructions: str = "goal",
+                       deadlock_k: int = DEADLOCK_K) -> dict:
     """Play every game once with `policy` and write OUT/ (see the module docstring); returns the metrics.
-    `deadlock_hint`: the deadlock intervention (`agent.episode.hint_text` after `agent.metrics.DEADLOCK_K` calls
-    that changed nothing). `instructions`: the task line a model reads, goal | step | visual (`agent.instructions`:
+    `deadlock_k`: the deadlock window, calls in a row that leave the game's state as it was (default
+    `agent.metrics.DEADLOCK_K`); `deadlock_hint`: the deadlock intervention (`agent.episode.hint_text` after
+    that many). `instructions`: the task line a model reads, goal | step | visual (`agent.instructions`:
     the step procedure is the walkthrough's; the scripted policies act on the game, not on a task line)."""
     from textworld_env.env import TextWorldEnv
     paths = games if isinstance(games, list) else find_games(games)
@@ -144,11 +149,11 @@ def evaluate_textworld(games: str | Path | list[Path], policy: str, out: Path, s
                   [({"task": {"id": p.stem, "game": str(p), "difficulty": types[p.stem][0]}},
                     episode_seed(seed, p.stem)) for p in paths],
                   batch_size=batch_size, on_done=(lambda i, e: progress(1)) if progress else None,
-                  deadlock_hint=DEADLOCK_K if deadlock_hint else None, instructions=instructions)
+                  deadlock_hint=deadlock_k if deadlock_hint else None, instructions=instructions)
     seconds = time.time() - t0
     trajs = played.trajectories
     metrics = {"env": "textworld", "policy": policy, "games": len(trajs), "seed": seed,
-               **textworld_metrics(trajs, types), "seconds": round(seconds, 1),
+               **textworld_metrics(trajs, types, deadlock_k), "seconds": round(seconds, 1),
                "env_steps_per_second": round(sum(len(t.turns) for t in trajs) / max(played.env_seconds, 1e-9), 1)}
     metrics["deadlocks"]["hint"] = deadlock_hint
     metrics["instructions"] = instructions

@@ -11,6 +11,7 @@ import typer
 from tqdm import tqdm
 
 from agent.instructions import GRANULARITIES
+from agent.metrics import DEADLOCK_K
 from distill.card import CardError
 from distill.dataset import DatasetBuildError
 from distill.hub import PushError, push_dataset
@@ -93,6 +94,9 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
                                                      "nothing (babyai: 16 turns), the next observation says so "
                                                      "(the deadlock intervention; metrics.json shows recovery "
                                                      "with it)"),
+             deadlock_window: Optional[int] = typer.Option(None, help="the deadlock window K: decisions in a row "
+                                                                      "that change nothing (default: 3 skill "
+                                                                      "calls; babyai: 16 turns)"),
              instructions: str = typer.Option("goal", help="sandbox/babyai/textworld: the task line a model "
                                                            "reads: goal (the instruction) | step (and the plan's "
                                                            "ordered steps) | visual (the steps with where the "
@@ -103,15 +107,19 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
     difficulty; or success with a Wilson interval, steps against BabyAI's bot, deadlocks and perception accuracy,
     with report.md and frame strips; or games won per game type and level with Wilson intervals."""
     spec = Path(policy).is_file() and Path(policy).suffix in (".yaml", ".yml", ".json")
+    if deadlock_window is not None and deadlock_window < 2:
+        _fail(f"--deadlock-window must be >= 2 decisions, not {deadlock_window}")
+    k = deadlock_window or DEADLOCK_K
     if instructions not in GRANULARITIES:
         _fail(f"--instructions must be one of {', '.join(GRANULARITIES)}, not {instructions!r}")
     if instructions != "goal" and env.startswith("browser:"):
         _fail("--instructions step|visual is for the sandbox, BabyAI and TextWorld, not browser tasks")
     if env.startswith("textworld:"):
-        _eval_textworld(recipe, env.split(":", 1)[1], policy, out, quiet, deadlock_hint, instructions)
+        _eval_textworld(recipe, env.split(":", 1)[1], policy, out, quiet, deadlock_hint, instructions, k)
         return
-    if deadlock_hint and env.startswith("browser:"):
-        _fail("--deadlock-hint is for the sandbox, BabyAI and TextWorld games, not browser tasks (yet)")
+    if (deadlock_hint or deadlock_window) and env.startswith("browser:"):
+        _fail("--deadlock-hint and --deadlock-window are for the sandbox, BabyAI and TextWorld games, not browser "
+              "tasks (yet)")
     if policy not in ("expert", "random", "oracle") and not spec and not (Path(policy) / "config.json").is_file():
         _fail(f"--policy must be expert, random, a model folder with config.json or a client spec file (.yaml), "
               f"not {policy!r} (oracle: TextWorld only)")
@@ -133,7 +141,8 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
             m = evaluate_babyai(level, policy, episodes, out, seed=r.eval.seed, view=view, progress=bar.update,
                                 vision_model=vision_model, vision_base_url=vision_base_url,
                                 constrained=r.eval.constrained and policy not in ("expert", "random"),
-                                instructions=instructions, deadlock_hint=deadlock_hint)
+                                instructions=instructions, deadlock_hint=deadlock_hint,
+                                deadlock_turns=deadlock_window or 16)
         except LevelError as e:   # a mission or a cell the skills cannot express
             _fail(str(e))
         finally:
@@ -175,7 +184,7 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
             _fail("--policy oracle is the TextWorld game's own plan: a recipe with env: textworld, or "
                   "--env textworld:PATH")
         m = run_eval(r, load_client_spec(policy) if spec else policy, split, out, tasks, show_progress=not quiet,
-                     deadlock_hint=deadlock_hint, instructions=instructions)
+                     deadlock_hint=deadlock_hint, instructions=instructions, deadlock_k=k)
     except RecipeError as e:
         _fail(str(e))
     if r.env == "textworld":
@@ -187,7 +196,7 @@ def eval_cmd(recipe: Path = typer.Argument(..., help="recipe YAML"),
 
 
 def _eval_textworld(recipe: Path, games: str, policy: str, out: Path, quiet: bool, deadlock_hint: bool = False,
-                    instructions: str = "goal") -> None:
+                    instructions: str = "goal", deadlock_k: int = DEADLOCK_K) -> None:
     """`eval --env textworld:PATH`: every game at PATH (a `.z8`/`.ulx` file or a folder of them, from tw-make)."""
     # the textworld extra: imported only when asked for
     from evaluation.textworld import SCRIPTED, GameFolderError, evaluate_textworld, find_games
@@ -201,7 +210,7 @@ def _eval_textworld(recipe: Path, games: str, policy: str, out: Path, quiet: boo
     bar = tqdm(total=len(paths), desc=f"{policy} on {games}", unit="game", disable=quiet)
     m = evaluate_textworld(paths, policy, out, seed=r.eval.seed, progress=bar.update,
                            constrained=r.eval.constrained and policy not in SCRIPTED, deadlock_hint=deadlock_hint,
-                           instructions=instructions)
+                           instructions=instructions, deadlock_k=deadlock_k)
     bar.close()
     typer.echo(_textworld_summary(m))
 
@@ -215,7 +224,8 @@ def _textworld_summary(m: dict) -> str:
 
 def _deadlocks(m: dict) -> dict:
     d = m["deadlocks"]
-    return {k: d[k] for k in ("aware", "unaware", "recovered", "failed_with_aware", "failed_with_unaware", "hint")}
+    return {k: d[k] for k in ("k", "aware", "unaware", "recovered", "failed_with_aware", "failed_with_unaware",
+                              "hint")}
 
 
 @app.command()

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from agent.clients import ClientSpec, TransformersClient, make_client
 from agent.llm_builder import LLMBuilder
 from agent.llm_persona import LLMHumanAgent
-from agent.metrics import split_metrics
+from agent.metrics import DEADLOCK_K, split_metrics
 from agent.policies import ChatPolicy
 from agent.progress import StageBar
 from agent.tools import tool_definitions
@@ -231,10 +231,12 @@ def human_factory(recipe: Recipe):
 
 
 def run_eval(recipe: Recipe, policy: str | ClientSpec, split: str, out: Path, tasks_dir: Path | None = None,
-             show_progress: bool = True, deadlock_hint: bool = False, instructions: str = "goal") -> dict:
+             show_progress: bool = True, deadlock_hint: bool = False, instructions: str = "goal",
+             deadlock_k: int = DEADLOCK_K) -> dict:
     """Play `policy` (expert, random, a model folder or a client spec) on a split; writes OUT/metrics.json,
-    OUT/trajectories.jsonl and OUT/manifest.json. `deadlock_hint`: the deadlock intervention. `instructions`: the
-    task line's granularity, goal | step | visual (`agent.instructions`)."""
+    OUT/trajectories.jsonl and OUT/manifest.json. `deadlock_k`: the deadlock window (skill calls); `deadlock_hint`:
+    the deadlock intervention. `instructions`: the task line's granularity, goal | step | visual
+    (`agent.instructions`)."""
     bar = StageBar("eval", enabled=show_progress)
     if tasks_dir is not None:
         tasks = load_tasks(tasks_dir, split, recipe.env)
@@ -249,7 +251,8 @@ def run_eval(recipe: Recipe, policy: str | ClientSpec, split: str, out: Path, ta
         bar.phase(f"{policy} on {split}", len(tasks), unit="game")
         metrics = evaluate_textworld([Path(t.game) for t in tasks], policy, out, seed=recipe.eval.seed,
                                      progress=bar.update, constrained=recipe.eval.constrained,
-                                     deadlock_hint=deadlock_hint, instructions=instructions)
+                                     deadlock_hint=deadlock_hint, instructions=instructions,
+                                     deadlock_k=deadlock_k)
         bar.close()
         metrics["split"] = split
         write_json(out / "metrics.json", metrics)
@@ -258,7 +261,7 @@ def run_eval(recipe: Recipe, policy: str | ClientSpec, split: str, out: Path, ta
     bar.phase(f"{name} on {split}", len(tasks), unit="ep")
     metrics, trajs = evaluate(tasks, policy, seed=recipe.eval.seed, progress=bar.update,
                               human_factory=human_factory(recipe), constrained=recipe.eval.constrained,
-                              deadlock_hint=deadlock_hint, instructions=instructions)
+                              deadlock_hint=deadlock_hint, instructions=instructions, deadlock_k=deadlock_k)
     bar.close()
     metrics["policy"], metrics["split"] = name, split
     if isinstance(policy, str) and policy not in ("expert", "random"):

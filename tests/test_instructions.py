@@ -246,3 +246,23 @@ def test_the_cli_takes_instructions_and_refuses_what_it_cannot_do(tmp_path):
     browser = CliRunner().invoke(app, ["eval", recipe, "--env", "browser:click-button", "--instructions", "step",
                                        "--out", str(tmp_path / "y")])
     assert browser.exit_code == 2 and "not browser tasks" in browser.output
+
+
+def test_the_deadlock_window_is_an_option(tmp_path, built_tasks):
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from evaluation.sandbox_eval import evaluate
+    from pipeline.cli import app
+    tasks = built_tasks[:8]
+    m3, _ = evaluate(tasks, "random")
+    m6, _ = evaluate(tasks, "random", deadlock_k=6)
+    assert (m3["deadlocks"]["k"], m6["deadlocks"]["k"]) == (3, 6)
+    assert m6["deadlocks"]["deadlocks"] < m3["deadlocks"]["deadlocks"]     # a longer window finds fewer
+    recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "ci.yaml")
+    res = CliRunner().invoke(app, ["eval", recipe, "--policy", "random", "--deadlock-window", "5", "--quiet",
+                                   "--out", str(tmp_path / "ev")])
+    assert res.exit_code == 0 and json.loads(res.output.strip().splitlines()[-1])["deadlocks"]["k"] == 5
+    bad = CliRunner().invoke(app, ["eval", recipe, "--deadlock-window", "1", "--out", str(tmp_path / "x")])
+    assert bad.exit_code == 2 and "--deadlock-window must be >= 2" in bad.output
