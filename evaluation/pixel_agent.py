@@ -98,10 +98,13 @@ def mission_procedure(mission: str) -> list[dict]:
     structure and its bot's plan: each subtask in the order to do it, a pick-up or an open preceded by going to
     the thing, a put-next by picking the object up; each names only what the mission names (`{"text",
     "things"}`, the things by their words, "red ball", looked up in the agent's belief for visual anchors)."""
+    def said(d: Desc) -> str:   # as the mission says it, with its location words
+        return d.text + {"front": " in front of you", "behind": " behind you", "left": " on your left",
+                         "right": " on your right"}.get(d.loc or "", "")
+
     steps = []
     for st in parse_mission(mission):
-        what = st.obj.text + {"front": " in front of you", "behind": " behind you", "left": " on your left",
-                              "right": " on your right"}.get(st.obj.loc or "", "")
+        what = said(st.obj)
         if st.op == "go_to":
             steps.append({"text": f"go to the {what}", "things": [st.obj.text]})
         elif st.op in ("pick_up", "open"):
@@ -109,7 +112,7 @@ def mission_procedure(mission: str) -> list[dict]:
                       {"text": f"{st.op.replace('_', ' ')} the {what}", "things": [st.obj.text]}]
         else:
             steps += [{"text": f"pick up the {what}", "things": [st.obj.text]},
-                      {"text": f"put it next to the {st.other.text}", "things": [st.other.text]}]
+                      {"text": f"put it next to the {said(st.other)}", "things": [st.other.text]}]
     return steps
 
 

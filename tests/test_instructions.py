@@ -198,6 +198,8 @@ def test_babyai_steps_follow_the_mission_grammar():
     assert [s["text"] for s in mission_procedure("put the key on your left next to a grey box after you go to "
                                                  "the ball")] == \
         ["go to the ball", "pick up the key on your left", "put it next to the grey box"]
+    assert mission_procedure("put the purple key next to the door behind you")[-1] == \
+        {"text": "put it next to the door behind you", "things": ["door"]}
 
 
 def test_babyai_visual_lines_anchor_only_objects_the_agent_has_perceived():
