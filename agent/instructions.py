@@ -4,7 +4,8 @@
     step     the instruction, then the ordered steps of the plan: "Steps: 1. pick up the green ball; 2. put it
              next to the purple key; 3. finish."
     visual   the steps, each with visual anchors for the things it names, from what the agent has seen so far:
-             "1. pick up the green ball (seen: green ball green_ball at room_0_1, next to table_1); ..."
+             "1. pick up the green ball (seen: green_ball at room_0_1); 2. put it next to the purple key (not
+             seen yet); ..."
 
 An env gives the plan as `info["task"]["procedure"]`: a list of `{"text": ..., "things": [...]}` steps derived from
 what the evaluator knows (the sandbox's subgoals, TextWorld's walkthrough, BabyAI's mission grammar), written
