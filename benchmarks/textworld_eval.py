@@ -5,11 +5,11 @@
     python benchmarks/textworld_eval.py --student zero-shot=outputs/medium/rl/final   # a student as another row
     python benchmarks/textworld_eval.py --kinds cooking --games 20 --constrained --student sft=DIR   # cooking only
 
-Builds games with `tw-make` (cached under `--out`, by spec) and evaluates each policy on all of them with
-`evaluation.textworld.evaluate_textworld` (the one episode loop): the teacher (`textworld_env.teacher`: the
-objective and what the agent saw), the oracle (the game's own plan from the current state), random choices among
-the admissible commands that a skill stands for, and any `--student` model folders. Prints one JSON object: per
-kind (tw-simple with detailed / brief / no goal, coin collector levels 1-30, treasure hunter levels 1-20, custom
+Builds games as `tw-make` does (one `Maker` process, cached under `--out` by spec) and evaluates each policy on all
+of them with `evaluation.textworld.evaluate_textworld` (the one episode loop): the teacher (`textworld_env.teacher`:
+the objective and what the agent saw), the oracle (the game's own plan from the current state), random choices among
+the admissible commands that a skill stands for, and any `--student` model folders. Prints one JSON object: per kind
+(tw-simple with detailed / brief / no goal, coin collector levels 1-30, treasure hunter levels 1-20, custom
 games with world size <= 8 and quest length <= 6; cooking games of 1-3 ingredients only with `--kinds cooking`)
 and policy the games won with a Wilson 95% interval, the score ratio, steps and their ratio to the walkthrough's
 length, the invalid-call and loop rates; seeds that admit no quest are skipped and counted; and the env's steps
@@ -50,7 +50,7 @@ def kinds(n: int, seed: int) -> dict[str, list]:
 
 def main() -> None:
     from evaluation.textworld import evaluate_textworld
-    from textworld_env.games import NoQuestError, make_game
+    from textworld_env.games import Maker, NoQuestError, make_game
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--games", type=int, default=8, help="games per kind")
@@ -75,12 +75,13 @@ def main() -> None:
     unknown = sorted(set(wanted) - set(table))
     if unknown:
         ap.error(f"--kinds: unknown {', '.join(unknown)} (choose from {', '.join(table)})")
-    for kind, specs in ((k, table[k]) for k in wanted):
-        for spec in specs:
-            try:
-                games.append(make_game(spec, args.out))
-            except NoQuestError:
-                skipped[kind] = skipped.get(kind, 0) + 1
+    with Maker() as maker:                   # one TextWorld process for every game
+        for kind, specs in ((k, table[k]) for k in wanted):
+            for spec in specs:
+                try:
+                    games.append(make_game(spec, args.out, maker))
+                except NoQuestError:
+                    skipped[kind] = skipped.get(kind, 0) + 1
     build_s = time.time() - t0
     eval_out = Path(args.eval_out or Path(args.out).parent / f"eval-{args.seed}-{args.games}")
     report: dict = {"benchmark": "textworld_eval", "games_per_kind": args.games, "first_seed": args.seed,

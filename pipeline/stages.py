@@ -105,7 +105,7 @@ def build_tasks(recipe: Recipe, show_progress: bool = True, bar: StageBar | None
 
 def _textworld_games(recipe: Recipe, counts: dict[str, int], what: str, show_progress: bool,
                      bar: StageBar | None) -> dict[str, list[GameTask]]:
-    """{split: games} of a TextWorld recipe, `counts[split]` of each family (built by tw-make once, then found in
+    """{split: games} of a TextWorld recipe, `counts[split]` of each family (built once by makers, then found in
     the cache), with progress on `bar` or a bar of its own."""
     tw = recipe.textworld
     own = bar is None

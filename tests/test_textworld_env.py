@@ -1,5 +1,6 @@
-"""TextWorld behind the env contract: games built here by tw-make (no game file in the repo), the walkthrough of
-each kind re-expressed in skills wins, the agent's map holds only what it saw, and bad calls are typed errors."""
+"""TextWorld behind the env contract: games built here as tw-make builds them (no game file in the repo), the
+walkthrough of each kind re-expressed in skills wins, the agent's map holds only what it saw, and bad calls are
+typed errors."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pydantic import ValidationError
 
 from agent.prompt import render_known
 from textworld_env.env import TextWorldEnv, call_for_command
-from textworld_env.games import GameSpec, make_game
+from textworld_env.games import GameSpec, Maker, make_game
 
 SPECS = {
     "simple": GameSpec(kind="simple", seed=1, goal="brief"),
@@ -21,7 +22,8 @@ SPECS = {
 @pytest.fixture(scope="module")
 def games(tmp_path_factory):
     folder = tmp_path_factory.mktemp("games")
-    return {name: make_game(spec, folder) for name, spec in SPECS.items()}
+    with Maker() as maker:                     # one maker process for all four, as `build_games` uses it
+        return {name: make_game(spec, folder, maker) for name, spec in SPECS.items()}
 
 
 def _play_walkthrough(env: TextWorldEnv):
@@ -56,6 +58,37 @@ def test_a_game_is_built_once_per_spec_and_the_same_spec_gives_the_same_game(gam
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{SPECS['custom'].key}{s}"
                                                            for s in (".json", ".spec.json", ".z8")]
     assert make_game(GameSpec(kind="custom", world_size=4, nb_objects=6, quest_length=3, seed=5), tmp_path) != other
+
+
+@pytest.mark.parametrize("name", ["treasure", "custom"])
+def test_the_maker_builds_byte_for_byte_what_tw_make_builds(games, tmp_path, name):
+    """The long-lived maker made these games one after another in one process; `tw-make` itself, one process
+    for the one game, makes the same bytes (the custom game checks the options the maker sets as tw-make does,
+    and that nothing carries over from the games the maker built before)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = tmp_path / "game.z8"
+    cmd = [str(Path(sys.executable).with_name("tw-make")), *SPECS[name].command(out)[1:]]
+    subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "PYTHONHASHSEED": "0"})
+    assert out.read_bytes() == games[name].read_bytes()
+    assert out.with_suffix(".json").read_bytes() == games[name].with_suffix(".json").read_bytes()
+
+
+def test_a_build_over_its_time_stops_the_maker_and_a_split_skips_that_seed_for_good(tmp_path):
+    """A build past the maker's time kills the maker (the next build starts another); a split skips such a seed
+    as one with no quest and marks it, so that no later build waits on it again."""
+    from textworld_env.games import BuildTimeout, _try_make
+    with Maker(timeout=0.5) as maker:
+        with pytest.raises(BuildTimeout, match=r"simple-\w+ \(as `tw-make tw-simple .*took over 0 s"):
+            make_game(SPECS["simple"], tmp_path, maker)
+        assert list(tmp_path.iterdir()) == []              # nothing left that looks like a game
+        assert _try_make(SPECS["treasure"], tmp_path, maker) is None
+        assert [p.name for p in tmp_path.iterdir()] == [f"{SPECS['treasure'].key}.skip"]
+        maker.timeout = 120
+        assert _try_make(SPECS["treasure"], tmp_path, maker) is None          # marked: skipped at once
+        assert make_game(SPECS["simple"], tmp_path, maker).is_file()          # a new maker process builds
 
 
 def test_specs_name_what_is_wrong():
@@ -204,10 +237,14 @@ def test_a_game_that_ends_on_unlocking_is_won_by_open(tmp_path):
 def test_a_seed_that_admits_no_quest_is_told_apart_from_a_failure(tmp_path):
     """tw-make cannot place a quest of treasure hunter level 10 with seed 300: a property of the spec that a split
     skips, not a crash, and nothing is left behind that looks like a game."""
-    from textworld_env.games import GameBuildError, NoQuestError
-    with pytest.raises(NoQuestError, match="QuestGenerationError"):
-        make_game(GameSpec(kind="treasure_hunter", level=10, seed=300), tmp_path)
-    assert issubclass(NoQuestError, GameBuildError) and list(tmp_path.iterdir()) == []
+    from textworld_env.games import GameBuildError, NoQuestError, _try_make
+    spec = GameSpec(kind="treasure_hunter", level=10, seed=300)
+    with Maker() as maker:
+        with pytest.raises(NoQuestError, match="QuestGenerationError"):
+            make_game(spec, tmp_path, maker)
+        assert issubclass(NoQuestError, GameBuildError) and list(tmp_path.iterdir()) == []
+        assert _try_make(spec, tmp_path, maker) is None                       # a split skips it, and marks it
+    assert "QuestGenerationError" in (tmp_path / f"{spec.key}.skip").read_text()
 
 
 def test_the_teacher_takes_over_from_a_random_players_state(games, tmp_path):
