@@ -357,7 +357,7 @@ class TransformersClient:
         extra = {}
         if self.constraint is not None:
             from transformers import LogitsProcessorList
-            extra["logits_processor"] = LogitsProcessorList([self.constraint.processor(texts, width)])
+            extra["logits_processor"] = LogitsProcessorList([self.constraint.processor(texts, width, tools)])
         gen: dict[str, Any] = {"max_new_tokens": self.max_new_tokens if max_tokens is None else max_tokens,
                                "pad_token_id": self.pad_id, "eos_token_id": self.eos_ids}
         if temperature > 0:

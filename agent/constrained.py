@@ -1,18 +1,22 @@
 """Constrained decoding of compact skill calls: a model can only write a well-formed call whose id arguments are
-words its own prompt shows.
+ids its own prompt lists as known.
 
 A tiny student renders a call compactly (`<tool_call>place yellow_ball|yellow_box</tool_call>`, see
 `agent.parser.parse_compact`). Unconstrained, a small model sometimes writes an id that is not in its prompt
 (`yellow_ball` for the yellow box it was shown) or degenerates (`navigate blue blue blue ...`), and the sandbox
-answers `unknown_entity` or `parse_error`. `CallConstraint` masks, at every generated token, the tokens that
-cannot continue a valid call:
+answers `unknown_entity` or `parse_error`. Allowed any word of its prompt, a tiny TextWorld student copied
+prose (`pick_up been` out of an echoed error, `pick_up Places`) and walked to the room it stood in, call after
+call. `CallConstraint` masks, at every generated token, the tokens that cannot continue a valid call:
 
 - first `<tool_call>` (with `think`, any text before it: a student trained with reasoning writes it first);
 - the skill name: one of `sandbox.skills.SKILLS`;
 - each argument, in the skill's parameter order, after optional spaces: for an enum parameter one of its
-  values; for an id parameter (its description starts with "id") a word of the row's prompt (what the agent
-  has seen: `[A-Za-z0-9][A-Za-z0-9_'-]*`); any other parameter (and a `talk_to` topic, which may be a fact's
-  id) free text without `|` or `<`;
+  values in the tools the batch was given (TextWorld's `operate` actions; the sandbox's by default); for an id
+  parameter (its description starts with "id") an id the row's prompt lists as known (`agent.prompt.known_ids`:
+  the words of its `At:`, `Places:`, `Doors:`, `Unvisited:`, `Objects:`, `People:`, `Facts:` and `Task
+  objects:` lines, the arguments of recent calls that worked and ids in brackets; not the prose of the task, the
+  observation, the recent results or the system message), and for `navigate` not the place the agent is at; any
+  other parameter (and a `talk_to` topic, which may be a fact's id) free text without `|` or `<`;
 - `|` between arguments, `</tool_call>` after a complete argument (or the name), then only the end token.
 
 It reads nothing but the prompt the model is given (no env state) and executes nothing; it works on the text of
@@ -23,16 +27,29 @@ meant for the tiny student (hundreds of tokens); `max_vocab` refuses a large one
 
 from __future__ import annotations
 
-import re
+import json
 from dataclasses import dataclass
+from typing import NamedTuple
 
-_WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9_'\-]*")
+from agent.prompt import known_ids
 
 # states: (phase, skill, param index, trie node or text length)
 _PRE, _NAME, _AFTER_NAME, _ARG, _CLOSED = range(5)
 _END = "\0"   # marks a complete word in a trie
+# what a constrained call may name; a cached evaluation keyed by it is not read back under other rules (change it
+# when they change: "prompt-words" was any word of the prompt, before 2026-12-07)
+RULES = "known-ids+tool-enums+no-walk-to-here"
 # id parameters whose value need not be on the prompt: a talk_to topic may be a fact the teacher names by its id
 _FREE_IDS = {("talk_to", "topic")}
+
+
+class _Ids(NamedTuple):
+    """One row's tries: every known id, the ids `navigate` may name (not the place the agent is at: walking to
+    where it stands does nothing, and a student stuck in that loop never leaves), and each enum parameter's
+    values in the tools the row was given (TextWorld's `operate` takes eat, cook, lock, ...)."""
+    any: dict
+    navigate: dict
+    enums: dict
 
 
 def _trie(words) -> dict:
@@ -88,21 +105,22 @@ class CallConstraint:
             self.by_first.setdefault(s[0], []).append(t)
         self.skills = SKILLS
         self.name_trie = _trie(SKILLS)
-        self.enum_tries = {(name, i): _trie(p.enum) for name, sk in SKILLS.items()
-                           for i, p in enumerate(sk.params) if p.enum}
+        self.sandbox_enums = {(name, i): _trie(p.enum) for name, sk in SKILLS.items()
+                              for i, p in enumerate(sk.params) if p.enum}
+        self._enums_of: dict[str, dict] = {}
         self.id_params = {(name, i) for name, sk in SKILLS.items() for i, p in enumerate(sk.params)
                           if not p.enum and p.description.startswith("id") and (name, p.name) not in _FREE_IDS}
 
     # ------------------------------------------------------------------ the character machine
 
-    def _arg_start(self, skill: str, i: int, ids_trie: dict) -> _State:
-        if (skill, i) in self.enum_tries:
-            return _State(_ARG, skill, i, self.enum_tries[(skill, i)])
+    def _arg_start(self, skill: str, i: int, ids_trie: _Ids) -> _State:
+        if (skill, i) in ids_trie.enums:
+            return _State(_ARG, skill, i, ids_trie.enums[(skill, i)])
         if (skill, i) in self.id_params:
-            return _State(_ARG, skill, i, ids_trie)
+            return _State(_ARG, skill, i, ids_trie.navigate if skill == "navigate" else ids_trie.any)
         return _State(_ARG, skill, i, None)
 
-    def _char(self, st: _State, ch: str, ids_trie: dict) -> _State | None:
+    def _char(self, st: _State, ch: str, ids_trie: _Ids) -> _State | None:
         if st.phase == _NAME:
             nxt = st.node.get(ch)
             if nxt is not None:
@@ -133,7 +151,7 @@ class CallConstraint:
             return st.started and (st.node is None or _END in st.node) and not any(p.required for p in rest)
         return False
 
-    def step(self, st: _State, token: int, ids_trie: dict) -> _State | None:
+    def step(self, st: _State, token: int, ids_trie: _Ids) -> _State | None:
         """The state after one generated token, or None when it cannot continue a valid call."""
         if st.phase == _PRE:
             if token == self.open_id:
@@ -152,7 +170,7 @@ class CallConstraint:
                 return None
         return st
 
-    def allowed(self, st: _State, ids_trie: dict) -> list[int]:
+    def allowed(self, st: _State, ids_trie: _Ids) -> list[int]:
         if st.phase == _PRE:
             return [self.open_id, *self.text] if self.think else [self.open_id]
         if st.phase == _CLOSED:
@@ -164,7 +182,7 @@ class CallConstraint:
                     out.append(t)
         return out
 
-    def _first_chars(self, st: _State, ids_trie: dict):
+    def _first_chars(self, st: _State, ids_trie: _Ids):
         if st.phase == _NAME:
             return [c for c in st.node if c != _END] + ([" "] if _END in st.node else [])
         if st.node is None:   # free text: anything but the separator and markup
@@ -173,16 +191,37 @@ class CallConstraint:
 
     # ------------------------------------------------------------------ the batch
 
-    def ids_trie(self, prompt_text: str) -> dict:
-        return _trie(set(_WORD.findall(prompt_text)))
+    def enums(self, tools: list[dict] | None) -> dict:
+        """The enum tries of a `tools` list (OpenAI function schemas, in the skills' parameter order); the
+        sandbox's without one. A parameter's enum in the tools replaces the sandbox's."""
+        if tools is None:
+            return self.sandbox_enums
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self._enums_of:
+            out = dict(self.sandbox_enums)
+            for t in tools:
+                name = t["function"]["name"]
+                if name not in self.skills:
+                    continue
+                props = t["function"]["parameters"]["properties"]
+                for i, p in enumerate(self.skills[name].params):
+                    if "enum" in props.get(p.name, {}):
+                        out[(name, i)] = _trie(props[p.name]["enum"])
+            self._enums_of[key] = out
+        return self._enums_of[key]
 
-    def processor(self, prompt_texts: list[str], width: int):
+    def ids_trie(self, prompt_text: str, tools: list[dict] | None = None) -> _Ids:
+        ids, here = known_ids(prompt_text)
+        return _Ids(_trie(ids), _trie(ids - {here}), self.enums(tools))
+
+    def processor(self, prompt_texts: list[str], width: int, tools: list[dict] | None = None):
         """A transformers `LogitsProcessor` for one batch: row b's prompt text is `prompt_texts[b]`, and its
-        generated tokens start at column `width` of the (left-padded) input ids."""
+        generated tokens start at column `width` of the (left-padded) input ids. `tools`: the tool schemas the
+        batch was given (their enums: `enums`)."""
         import torch
         from transformers import LogitsProcessor
 
-        tries = [self.ids_trie(t) for t in prompt_texts]
+        tries = [self.ids_trie(t, tools) for t in prompt_texts]
         states = [_State(_PRE) for _ in prompt_texts]
         seen = [0] * len(prompt_texts)
         machine = self

@@ -140,9 +140,49 @@ def task_objects(instruction: str, known: dict) -> str:
     phrases = known.get("task_phrases")
     for phrase in named_phrases(instruction) if phrases is None else phrases:
         if not any(_covers(n, phrase) for n in names):
-            entries.append((said.find(_words(phrase)), f"{phrase} not seen"))
+            entries.append((said.find(_words(phrase)), f"{phrase}{NOT_SEEN}"))
     entries.sort(key=lambda e: e[0])
     return "; ".join(text for _, text in entries) or "none seen"
+
+
+NOT_SEEN = " not seen"
+# the lines of a step prompt that list what the agent knows by id (`render_known`, the facts, the task objects),
+# and the words the builder itself writes in them around the ids
+KNOWN_LINES = ("At:", "Places:", "Doors:", "Unvisited:", "Objects:", "People:", "Facts:", "Task objects:")
+_LABEL_WORDS = frozenset({"At", "Holding", "nothing", "Places", "Doors", "Unvisited", "Objects", "People", "Facts",
+                          "Task", "objects", "at", "held", "here", "open", "closed", "locked", "none", "seen"})
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_'\-]*")
+# a `Recent:` line of a call that worked ("- navigate(room_1_0) -> ok"): its arguments name known ids; and an id
+# an observation names in brackets ("You walk to the east room [room_1_2]"). A tiny student's template may leave
+# out the `Places:` line, which these then stand for.
+_RECENT_OK = re.compile(r"- \w+\((.*)\) -> ok\b")
+_BRACKETED = re.compile(r"\[([A-Za-z0-9][A-Za-z0-9_'\-]*)\]")
+
+
+def known_ids(prompt: str) -> tuple[set[str], str | None]:
+    """The words a call may name as ids, read off a step prompt's text: the words of its known-state lines (what
+    the agent has seen, as `build_step_messages` renders it), without the builder's own words and without the
+    task's things listed as not seen; never the task's prose, the observation, the recent results or the system
+    message; and the arguments of the recent calls that worked and the ids the env's text names in brackets
+    (`[room_1_2]`). And the agent's own place (the `At:` line), or None.
+
+    Every id argument of the teachers' calls is among them (checked over the sandbox's and TextWorld's distilled
+    rows); a word of prose is not: a student that copies `been` out of an echoed error (`I know no 'x' here or
+    anywhere I have been.`) or `Places` out of a label cannot name it."""
+    ids, here = set(), None
+    for line in prompt.splitlines():
+        ok = _RECENT_OK.match(line)
+        if ok:
+            ids.update(_ID.findall(ok.group(1)))
+        ids.update(_BRACKETED.findall(line))
+        if not line.startswith(KNOWN_LINES):
+            continue
+        if line.startswith("At: "):
+            here = line[4:].split(".", 1)[0].strip() or None
+        if line.startswith("Task objects:"):
+            line = "; ".join(e for e in line.split("; ") if not e.endswith(NOT_SEEN))
+        ids.update(w for w in _ID.findall(line) if w not in _LABEL_WORDS)
+    return ids, here
 
 
 def render_known(known: dict) -> str:

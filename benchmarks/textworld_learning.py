@@ -59,15 +59,17 @@ def train(recipe: Path, log: Path, threads: int) -> dict:
 
 
 def evaluate(recipe_path: Path, model: Path, out: Path) -> dict | None:
-    """The student at `model` on the recipe's test games (reused only when done for this very model file and
-    recipe)."""
+    """The student at `model` on the recipe's test games (reused only when done for this very model file, recipe
+    and decoding rules)."""
     from pipeline.recipe import load_recipe
     from pipeline.stages import recipe_hash, run_eval
     weights = model / "model.safetensors"
     if not (model / "config.json").is_file() or not weights.is_file():
         return None
+    from agent.constrained import RULES
     recipe = load_recipe(recipe_path)
-    key = {"model": str(model), "mtime_ns": weights.stat().st_mtime_ns, "recipe": recipe_hash(recipe)}
+    key = {"model": str(model), "mtime_ns": weights.stat().st_mtime_ns, "recipe": recipe_hash(recipe),
+           "decoding": RULES if recipe.eval.constrained else "free"}
     done, key_file = out / "metrics.json", out / "benchmark_key.json"
     if done.is_file() and key_file.is_file() and json.loads(key_file.read_text()) == key:
         return json.loads(done.read_text())

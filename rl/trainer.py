@@ -512,7 +512,8 @@ class GiGPOTrainer:
         # task's position, and a cache made so must not look current)
         h.update(json.dumps([self.eval_seed, "task-id", self.cfg.max_new_tokens, self.cfg.memory_size]).encode())
         if self.eval_constrained:   # (added 2026-12-07; free decoding keeps the keys made before)
-            h.update(b"constrained")
+            from agent.constrained import RULES
+            h.update(b"constrained" + RULES.encode())   # a cache made under other decoding rules is not current
         return self.init / f"rl_initial_eval_{h.hexdigest()[:16]}.json"
 
     def evaluate(self, it: int) -> dict | None:

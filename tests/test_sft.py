@@ -388,14 +388,16 @@ def test_sft_cli_runs_the_distillation_first_when_its_dataset_is_missing(tmp_pat
 
 def test_constrained_decoding_admits_every_teacher_call_and_only_ids_the_prompt_shows(step_rows, tok):
     """Replaying the tiny template's rendering of each teacher call token by token through `CallConstraint`:
-    every token is allowed and the call ends where the end token is allowed; a call naming an id that is not a
-    word of the prompt, a skill that does not exist or a missing required argument is cut at the first token
-    that goes wrong."""
+    every token is allowed and the call ends where the end token is allowed; a call naming an id that its prompt
+    does not list as known (a word of the task's prose, of an echoed error, a label, a thing not seen yet), a
+    skill that does not exist, a missing required argument or a walk to where the agent stands is cut at the
+    first token that goes wrong."""
     from agent.constrained import CallConstraint, _State
+    from agent.tools import tool_definitions
     cc = CallConstraint(tok)
 
-    def replay(prompt_text: str, body: str) -> bool:
-        ids = cc.ids_trie(prompt_text)
+    def replay(prompt_text: str, body: str, tools=None) -> bool:
+        ids = cc.ids_trie(prompt_text, tools)
         st = _State(0)
         for t in tok(f"<tool_call>{body}</tool_call>", add_special_tokens=False)["input_ids"]:
             if t not in cc.allowed(st, ids):
@@ -410,12 +412,24 @@ def test_constrained_decoding_admits_every_teacher_call_and_only_ids_the_prompt_
         assert replay(prompt, render_compact(gold["name"], gold["arguments"])), (gold, prompt[-300:])
         checked += 1
     assert checked == 300
-    prompt = "Objects: red_box at room_0_1; yellow_ball at room_1_1. Task: Put the red box next to the yellow box."
+    prompt = ("At: room_0_1. Holding: nothing.\nObjects: red_box at room_0_1; yellow_ball at room_1_1\nRecent:\n"
+              "- navigate(room_2_2) -> ok\n- pick_up(red) -> unknown_entity: I know no 'red' here or anywhere I "
+              "have been.\nTask objects: red_box at room_0_1 (here); purple key not seen\n"
+              "Task: Put the red box next to the yellow box, then find the purple key.")
     assert replay(prompt, "place red_box|yellow_ball") and replay(prompt, "navigate room_1_1")
+    assert replay(prompt, "navigate room_2_2")               # a recent call that worked named it
+    assert not replay(prompt, "navigate room_0_1")           # where the agent is already
+    assert replay(prompt, "place red_box|room_0_1")          # ... which other skills may name
+    for junk in ("red", "been", "Objects", "nothing", "purple", "Put", "box"):   # prose, labels, not seen
+        assert not replay(prompt, f"pick_up {junk}"), junk
     assert not replay(prompt, "place red_box|yellow_box")     # yellow_box: words of the prompt, not an id in it
     assert not replay(prompt, "fly room_1_1")                 # no such skill
     assert not replay(prompt, "place red_box")                # place needs its target
     assert replay(prompt, "finish") and replay(prompt, "finish the box is placed")   # summary: optional text
+    # an enum's values are the tools' (TextWorld's operate takes eat, cook, lock, ...; the sandbox's turn_on/off)
+    tw_tools = tool_definitions(("eat", "cook", "lock"))
+    assert replay(prompt, "operate red_box|turn_on") and not replay(prompt, "operate red_box|lock")
+    assert replay(prompt, "operate red_box|lock", tw_tools) and not replay(prompt, "operate red_box|turn_on", tw_tools)
     # a student trained to think first may write text before the call, only then
     ids, words = cc.ids_trie(prompt), tok(" I will go", add_special_tokens=False)["input_ids"]
     assert words[0] not in cc.allowed(_State(0), ids)
@@ -430,17 +444,17 @@ def test_constrained_decoding_admits_every_teacher_call_and_only_ids_the_prompt_
 
 def test_constrained_generation_writes_valid_calls_even_untrained(tok, tmp_path):
     """An untrained student writes noise; constrained, each of its replies parses to a real skill whose id
-    arguments are words of its prompt (real `generate`, batched, greedy and sampled)."""
-    import re
-
+    arguments are ids its prompt lists as known, and never walks to where it is (real `generate`, batched,
+    greedy and sampled)."""
     from agent.clients import TransformersClient
+    from agent.prompt import known_ids
     from sandbox.skills import SKILLS
     model = build_tiny_student(SMALL, tok)
     model.save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")
     prompts = [[{"role": "system", "content": "You are an embodied assistant."},
-                {"role": "user", "content": f"At: room_{i}_1. Objects: red_box at room_0_{i}. Task: Go to the box."}]
-               for i in range(3)]
+                {"role": "user", "content": f"Step 1/9.\nAt: room_{i}_1.\nObjects: red_box at room_0_{i}\n"
+                                            "Task: Go to the box."}] for i in range(3)]
     free = TransformersClient(tmp_path / "m", max_new_tokens=12, batch_size=3)
     assert not all(isinstance(parse_text(r.text), ToolCall) for r in free.chat_many(prompts))
     for temperature in (0.0, 1.0):
@@ -449,10 +463,13 @@ def test_constrained_generation_writes_valid_calls_even_untrained(tok, tmp_path)
         for msgs, reply in zip(prompts, client.chat_many(prompts), strict=True):
             call = parse_text(reply.text)
             assert isinstance(call, ToolCall) and call.name in SKILLS, reply.text
-            words = set(re.findall(r"[A-Za-z0-9][A-Za-z0-9_'\-]*", client.render_prompt(msgs)))
+            i = prompts.index(msgs)
+            ids, here = known_ids(client.render_prompt(msgs))
+            assert ids == {f"room_{i}_1", "red_box", f"room_0_{i}"} and here == f"room_{i}_1"
             for p in SKILLS[call.name].params:
                 if p.description.startswith("id") and not p.enum and call.arguments.get(p.name):
-                    assert call.arguments[p.name] in words, (reply.text, p.name)
+                    assert call.arguments[p.name] in ids, (reply.text, p.name)
+            assert call.name != "navigate" or call.arguments["target"] != here, reply.text
 
 
 def test_constrained_rows_of_one_batch_each_keep_their_own_ids(tok):

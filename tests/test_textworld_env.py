@@ -267,3 +267,51 @@ def test_the_teacher_takes_over_from_a_random_players_state(games, tmp_path):
                  oracle=lambda env, s: OracleAgent(env))
     assert r["episodes"] == 18 and r["oracle_success"] == 1.0
     assert r["expert_success"] == 1.0, r["lost_when_solvable"]
+
+
+def test_constrained_decoding_admits_every_call_of_the_teacher_and_the_oracle(games):
+    """A constrained student can write every call the teacher and the game's own plan make (cooking verbs
+    included: `operate`'s actions are TextWorld's tools', not the sandbox's turn_on/turn_off), replayed token by
+    token through `CallConstraint` on the tiny template's prompt; the same calls with the sandbox's tools, or a
+    walk to the room the agent is in, are cut. The one exception is the plan's `operate(meal|prepare)`: the meal
+    is no id the agent has seen until it is made (the teacher does not play cooking games)."""
+    from agent.constrained import CallConstraint, _State
+    from agent.episode import play
+    from agent.parser import render_compact
+    from agent.policies import ScriptedPolicy
+    from agent.tools import tool_definitions
+    from sft.student import corpus_texts, train_tokenizer
+    from textworld_env.env import OPERATE_VERBS, OracleAgent
+    from textworld_env.teacher import Teacher
+    cooking = make_game(GameSpec(kind="cooking", recipe=1, seed=9000), games["custom"].parent)
+    starts = [({"task": {"id": name, "game": str(path)}}, 0) for name, path in [*games.items(), ("cook", cooking)]]
+    turns = []
+    for policy in (ScriptedPolicy(lambda env, seed: Teacher(env), "teacher", as_text=True),
+                   ScriptedPolicy(OracleAgent, "oracle", as_text=True)):
+        turns += [t for traj in play(TextWorldEnv, policy, starts).trajectories for t in traj.turns]
+    rows = [{"messages": [*t.prompt, {"role": "assistant", "content": "", "tool_calls": [{"function": t.tool_call}]}]}
+            for t in turns]
+    tok = train_tokenizer(corpus_texts(rows), 800, skip_lines=["Observation:"])
+    cc, tools = CallConstraint(tok), tool_definitions(OPERATE_VERBS)
+
+    def replay(prompt: str, body: str, tools=None) -> bool:
+        ids, st = cc.ids_trie(prompt, tools), _State(0)
+        for t in tok(f"<tool_call>{body}</tool_call>", add_special_tokens=False)["input_ids"]:
+            if t not in cc.allowed(st, ids):
+                return False
+            st = cc.step(st, t, ids)
+        return set(cc.allowed(st, ids)) == cc.end_ids
+
+    verbs, cut = set(), []
+    for t in turns:
+        prompt = tok.apply_chat_template(t.prompt, add_generation_prompt=True, tokenize=False)
+        args = {k: v for k, v in t.tool_call["arguments"].items() if v is not None}
+        if not replay(prompt, render_compact(t.tool_call["name"], args), tools):
+            cut.append(render_compact(t.tool_call["name"], args))
+        if t.tool_call["name"] == "operate":
+            verbs.add(args["action"])
+            assert not replay(prompt, render_compact("operate", args))          # the sandbox's actions
+        here = next(ln for ln in prompt.splitlines() if ln.startswith("At: "))[4:].split(".")[0]
+        assert not replay(prompt, f"navigate {here}", tools)
+    assert cut == ["operate meal|prepare"], cut
+    assert {"prepare", "eat"} <= verbs, verbs        # verbs the sandbox's operate does not take
