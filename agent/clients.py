@@ -256,8 +256,9 @@ class TransformersClient:
     `model_or_path` is a local folder written by `save_pretrained` (nothing is fetched from the Hub) or a
     model object, which then needs its `tokenizer`. The model is moved to `device`. `json_mode` is accepted
     for the protocol but not enforced: callers validate the JSON. With `constrained`, generation can only
-    write a well-formed compact skill call whose id arguments are words of its prompt
-    (`agent.constrained.CallConstraint`; a tiny student's tokenizer).
+    write a well-formed compact skill call whose id arguments are ids its prompt lists as known and whose enum
+    arguments are values of the `tools` it is given (`agent.constrained.CallConstraint`; a tiny student's
+    tokenizer).
     The tokenizer is not modified: left padding and the pad-token fallback (eos) happen here.
     """
 
