@@ -105,28 +105,26 @@ class CallConstraint:
             self.by_first.setdefault(s[0], []).append(t)
         self.skills = SKILLS
         self.name_trie = _trie(SKILLS)
-        self.sandbox_enums = {(name, i): _trie(p.enum) for name, sk in SKILLS.items()
-                              for i, p in enumerate(sk.params) if p.enum}
         self._enums_of: dict[str, dict] = {}
         self.id_params = {(name, i) for name, sk in SKILLS.items() for i, p in enumerate(sk.params)
                           if not p.enum and p.description.startswith("id") and (name, p.name) not in _FREE_IDS}
 
     # ------------------------------------------------------------------ the character machine
 
-    def _arg_start(self, skill: str, i: int, ids_trie: _Ids) -> _State:
-        if (skill, i) in ids_trie.enums:
-            return _State(_ARG, skill, i, ids_trie.enums[(skill, i)])
+    def _arg_start(self, skill: str, i: int, ids: _Ids) -> _State:
+        if (skill, i) in ids.enums:
+            return _State(_ARG, skill, i, ids.enums[(skill, i)])
         if (skill, i) in self.id_params:
-            return _State(_ARG, skill, i, ids_trie.navigate if skill == "navigate" else ids_trie.any)
+            return _State(_ARG, skill, i, ids.navigate if skill == "navigate" else ids.any)
         return _State(_ARG, skill, i, None)
 
-    def _char(self, st: _State, ch: str, ids_trie: _Ids) -> _State | None:
+    def _char(self, st: _State, ch: str, ids: _Ids) -> _State | None:
         if st.phase == _NAME:
             nxt = st.node.get(ch)
             if nxt is not None:
                 return _State(_NAME, node=nxt, skill=st.skill + ch)
             if ch == " " and _END in st.node and self.skills[st.skill].params:
-                return self._arg_start(st.skill, 0, ids_trie)
+                return self._arg_start(st.skill, 0, ids)
             return None
         if st.phase == _ARG:
             if ch == " " and not st.started:
@@ -134,7 +132,7 @@ class CallConstraint:
             if ch == "|":
                 done = st.started and (st.node is None or _END in st.node)
                 if done and st.param + 1 < len(self.skills[st.skill].params):
-                    return self._arg_start(st.skill, st.param + 1, ids_trie)
+                    return self._arg_start(st.skill, st.param + 1, ids)
                 return None
             if st.node is None:   # free text
                 return None if ch in "<\n" else _State(_ARG, st.skill, st.param, None, True)
@@ -151,7 +149,7 @@ class CallConstraint:
             return st.started and (st.node is None or _END in st.node) and not any(p.required for p in rest)
         return False
 
-    def step(self, st: _State, token: int, ids_trie: _Ids) -> _State | None:
+    def step(self, st: _State, token: int, ids: _Ids) -> _State | None:
         """The state after one generated token, or None when it cannot continue a valid call."""
         if st.phase == _PRE:
             if token == self.open_id:
@@ -165,24 +163,24 @@ class CallConstraint:
         if s is None:
             return None
         for ch in s:
-            st = self._char(st, ch, ids_trie)
+            st = self._char(st, ch, ids)
             if st is None:
                 return None
         return st
 
-    def allowed(self, st: _State, ids_trie: _Ids) -> list[int]:
+    def allowed(self, st: _State, ids: _Ids) -> list[int]:
         if st.phase == _PRE:
             return [self.open_id, *self.text] if self.think else [self.open_id]
         if st.phase == _CLOSED:
             return sorted(self.end_ids)
         out = [self.close_id] if self._closable(st) else []
-        for first in self._first_chars(st, ids_trie):
+        for first in self._first_chars(st, ids):
             for t in self.by_first.get(first, ()):
-                if self.step(st, t, ids_trie) is not None:
+                if self.step(st, t, ids) is not None:
                     out.append(t)
         return out
 
-    def _first_chars(self, st: _State, ids_trie: _Ids):
+    def _first_chars(self, st: _State, ids: _Ids):
         if st.phase == _NAME:
             return [c for c in st.node if c != _END] + ([" "] if _END in st.node else [])
         if st.node is None:   # free text: anything but the separator and markup
@@ -192,13 +190,13 @@ class CallConstraint:
     # ------------------------------------------------------------------ the batch
 
     def enums(self, tools: list[dict] | None) -> dict:
-        """The enum tries of a `tools` list (OpenAI function schemas, in the skills' parameter order); the
-        sandbox's without one. A parameter's enum in the tools replaces the sandbox's."""
-        if tools is None:
-            return self.sandbox_enums
+        """The enum tries of a `tools` list (OpenAI function schemas, in the skills' parameter order); without
+        one, the sandbox's tools (`agent.tools.tool_definitions`)."""
+        from agent.tools import tool_definitions
+        tools = tool_definitions() if tools is None else tools
         key = json.dumps(tools, sort_keys=True)
         if key not in self._enums_of:
-            out = dict(self.sandbox_enums)
+            out = {}
             for t in tools:
                 name = t["function"]["name"]
                 if name not in self.skills:
