@@ -17,6 +17,9 @@ call. `CallConstraint` masks, at every generated token, the tokens that cannot c
   objects:` lines, the arguments of recent calls that worked and ids in brackets; not the prose of the task, the
   observation, the recent results or the system message), and for `navigate` not the place the agent is at; any
   other parameter (and a `talk_to` topic, which may be a fact's id) free text without `|` or `<`;
+- not a one-id call that failed since the last call that worked (`pick_up bug` after `pick_up(bug) ->
+  precondition_unmet`), unless a sandbox failure trigger fired (`RETRYABLE`): 57 of a TextWorld student's 69
+  lost validation games repeated such a call until the budget ran out;
 - `|` between arguments, `</tool_call>` after a complete argument (or the name), then only the end token.
 
 It reads nothing but the prompt the model is given (no env state) and executes nothing; it works on the text of
@@ -31,25 +34,32 @@ import json
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from agent.prompt import known_ids
+from agent.prompt import known_ids, recent_calls
 
 # states: (phase, skill, param index, trie node or text length)
 _PRE, _NAME, _AFTER_NAME, _ARG, _CLOSED = range(5)
 _END = "\0"   # marks a complete word in a trie
 # what a constrained call may name; a cached evaluation keyed by it is not read back under other rules (change it
 # when they change: "prompt-words" was any word of the prompt, before 2026-12-07)
-RULES = "known-ids+tool-enums+no-walk-to-here"
+RULES = "known-ids+tool-enums+no-walk-to-here+no-repeat-of-failed-calls"
 # id parameters whose value need not be on the prompt: a talk_to topic may be a fact the teacher names by its id
 _FREE_IDS = {("talk_to", "topic")}
+# the one failure worth retrying as it was: a sandbox failure trigger that fired (a slip, a stuck door) may not fire
+# again; any other failed call fails again the same way, as the state it failed in is unchanged
+RETRYABLE = frozenset({"trigger_fired"})
 
 
 class _Ids(NamedTuple):
     """One row's tries: every known id, the ids `navigate` may name (not the place the agent is at: walking to
-    where it stands does nothing, and a student stuck in that loop never leaves), and each enum parameter's
-    values in the tools the row was given (TextWorld's `operate` takes eat, cook, lock, ...)."""
+    where it stands does nothing, and a student stuck in that loop never leaves), each enum parameter's values in
+    the tools the row was given (TextWorld's `operate` takes eat, cook, lock, ...), and for each skill of a call
+    that failed since the last that worked, its ids without the ones those calls named (`retry`:
+    {(skill, 0): trie}; see `ids_trie`)."""
     any: dict
     navigate: dict
     enums: dict
+    retry: dict
+    names: dict   # the skills the row can call: not one whose first argument must be an id and none is left
 
 
 def _trie(words) -> dict:
@@ -104,7 +114,6 @@ class CallConstraint:
         for t, s in self.text.items():
             self.by_first.setdefault(s[0], []).append(t)
         self.skills = SKILLS
-        self.name_trie = _trie(SKILLS)
         self._enums_of: dict[str, dict] = {}
         self.id_params = {(name, i) for name, sk in SKILLS.items() for i, p in enumerate(sk.params)
                           if not p.enum and p.description.startswith("id") and (name, p.name) not in _FREE_IDS}
@@ -112,6 +121,8 @@ class CallConstraint:
     # ------------------------------------------------------------------ the character machine
 
     def _arg_start(self, skill: str, i: int, ids: _Ids) -> _State:
+        if (skill, i) in ids.retry:
+            return _State(_ARG, skill, i, ids.retry[(skill, i)])
         if (skill, i) in ids.enums:
             return _State(_ARG, skill, i, ids.enums[(skill, i)])
         if (skill, i) in self.id_params:
@@ -153,7 +164,7 @@ class CallConstraint:
         """The state after one generated token, or None when it cannot continue a valid call."""
         if st.phase == _PRE:
             if token == self.open_id:
-                return _State(_NAME, node=self.name_trie)
+                return _State(_NAME, node=ids.names)
             return st if self.think and token in self.text else None
         if st.phase == _CLOSED:
             return None
@@ -209,8 +220,31 @@ class CallConstraint:
         return self._enums_of[key]
 
     def ids_trie(self, prompt_text: str, tools: list[dict] | None = None) -> _Ids:
+        """The row's tries. A one-id call (`pick_up bug`, `open portal`, `navigate cellar`) that failed since the
+        last call that worked (`agent.prompt.recent_calls`), with an error that is not `RETRYABLE`, is not allowed
+        again now: a failed call changes nothing but, for a walk, where the agent stands, so the state it failed in
+        is the state now and it would fail the same way (a walk again at the same closed way); a greedy student
+        that repeats it once repeats it to the end of its budget. Calls older than a failed walk are not held
+        against it."""
         ids, here = known_ids(prompt_text)
-        return _Ids(_trie(ids), _trie(ids - {here}), self.enums(tools))
+        walk = ids - {here}
+        failed: dict[str, set[str]] = {}
+        for call in reversed(recent_calls(prompt_text)):
+            if call is None:               # an unreadable output: the env saw nothing
+                continue
+            skill, args, result = call
+            if result == "ok" or result in RETRYABLE:
+                break
+            if skill in self.skills and len(self.skills[skill].params) == 1 and (skill, 0) in self.id_params \
+                    and len(args) == 1:
+                failed.setdefault(skill, set()).add(args[0])
+            if skill == "navigate":        # a walk can fail on its way (a locked door) where it stood: older failed
+                break                      # calls may have failed only for where the agent was
+        retry = {(skill, 0): _trie((walk if skill == "navigate" else ids) - names) for skill, names in failed.items()}
+        row = _Ids(_trie(ids), _trie(walk), self.enums(tools), retry, {})
+        callable_ = [name for name, sk in self.skills.items()
+                     if not (sk.params and sk.params[0].required and self._arg_start(name, 0, row).node == {})]
+        return row._replace(names=_trie(callable_))
 
     def processor(self, prompt_texts: list[str], width: int, tools: list[dict] | None = None):
         """A transformers `LogitsProcessor` for one batch: row b's prompt text is `prompt_texts[b]`, and its

@@ -185,6 +185,33 @@ def known_ids(prompt: str) -> tuple[set[str], str | None]:
     return ids, here
 
 
+_RECENT = re.compile(r"- (\w+)\((.*?)\) -> (\w+)")
+
+
+def recent_calls(prompt: str) -> list[tuple[str, list[str], str] | None]:
+    """The calls of the prompt's `Recent:` block, oldest first, each as `(skill, arguments, result)` (`result`:
+    "ok" or the error type, e.g. `precondition_unmet`), or None for a step whose output was unreadable; [] when
+    the prompt has no such block.
+
+        recent_calls("Recent:\n- navigate(cookery) -> ok\n- pick_up(bug) -> precondition_unmet: You can't see "
+                     "any such thing.\nTask: ...")
+        # [("navigate", ["cookery"], "ok"), ("pick_up", ["bug"], "precondition_unmet")]
+
+    `StepMemory` writes the arguments joined by ", " (and cut at 80 characters): ids split back exactly, free text
+    with commas does not."""
+    lines = prompt.splitlines()
+    if "Recent:" not in lines:
+        return []
+    out = []
+    for line in lines[len(lines) - lines[::-1].index("Recent:"):]:
+        if line.startswith(("Observation:", "Task")):   # the lines `build_step_messages` writes after the block
+            break
+        if line.startswith("- "):
+            m = _RECENT.match(line)
+            out.append(m and (m.group(1), m.group(2).split(", ") if m.group(2) else [], m.group(3)))
+    return out
+
+
 def render_known(known: dict) -> str:
     """The known map, compactly: places with their landmarks, doors (ids and states), objects (with the place of
     the landmark they are on or in), people."""

@@ -390,8 +390,8 @@ def test_constrained_decoding_admits_every_teacher_call_and_only_ids_the_prompt_
     """Replaying the tiny template's rendering of each teacher call token by token through `CallConstraint`:
     every token is allowed and the call ends where the end token is allowed; a call naming an id that its prompt
     does not list as known (a word of the task's prose, of an echoed error, a label, a thing not seen yet), a
-    skill that does not exist, a missing required argument or a walk to where the agent stands is cut at the
-    first token that goes wrong."""
+    skill that does not exist, a missing required argument, a walk to where the agent stands or the repeat of a
+    one-id call that failed since the last call that worked is cut at the first token that goes wrong."""
     from agent.constrained import CallConstraint, _State
     from agent.tools import tool_definitions
     cc = CallConstraint(tok)
@@ -426,6 +426,25 @@ def test_constrained_decoding_admits_every_teacher_call_and_only_ids_the_prompt_
     assert not replay(prompt, "fly room_1_1")                 # no such skill
     assert not replay(prompt, "place red_box")                # place needs its target
     assert replay(prompt, "finish") and replay(prompt, "finish the box is placed")   # summary: optional text
+    # a one-id call that failed since the last call that worked is not written again (a failed call changes
+    # nothing, so it would fail the same way), unless a sandbox failure trigger fired (it may not fire again)
+    failed = prompt.replace("pick_up(red) -> unknown_entity", "pick_up(red_box) -> precondition_unmet")
+    assert not replay(failed, "pick_up red_box") and replay(prompt, "pick_up red_box")
+    assert replay(failed, "pick_up yellow_ball") and replay(failed, "inspect red_box")
+    assert replay(failed.replace("precondition_unmet", "trigger_fired"), "pick_up red_box")
+    two = failed.replace("\nTask objects:", "\n- pick_up(yellow_ball) -> unknown_entity: I know no.\nTask objects:")
+    assert not replay(two, "pick_up red_box") and not replay(two, "pick_up yellow_ball")
+    assert replay(two.replace("pick_up(yellow_ball)", "look_around()").replace("-> unknown_entity", "-> ok"),
+                  "pick_up red_box")                      # a call worked since: the state may have changed
+    walked = two.replace("pick_up(yellow_ball)", "navigate(room_1_1)")
+    assert not replay(walked, "navigate room_1_1") and replay(walked, "navigate room_2_2")
+    assert replay(walked, "pick_up red_box")              # a walk that failed may have moved the agent first
+    # a skill with no id left for its first argument cannot even be started (no call without its argument)
+    alone = "At: room_0_1. Holding: nothing.\nRecent:\n- pick_up(room_0_1) -> unknown_entity: no.\nTask: Look."
+    ids = cc.ids_trie(alone)
+    opened = cc.step(_State(0), cc.open_id, ids)
+    assert not any(cc.text.get(t, "").startswith("pi") for t in cc.allowed(opened, ids))   # no `pick...` token
+    assert not replay(alone, "navigate room_0_1") and replay(alone, "look_around") and replay(alone, "inspect room_0_1")
     # an enum's values are the tools' (TextWorld's operate takes eat, cook, lock, ...; the sandbox's turn_on/off)
     tw_tools = tool_definitions(("eat", "cook", "lock"))
     assert replay(prompt, "operate red_box|turn_on") and not replay(prompt, "operate red_box|lock")

@@ -91,6 +91,33 @@ def test_a_build_over_its_time_stops_the_maker_and_a_split_skips_that_seed_for_g
         assert make_game(SPECS["simple"], tmp_path, maker).is_file()          # a new maker process builds
 
 
+_PROMPTS_OF_THE_TEACHER = """
+import hashlib, sys
+from agent.episode import play
+from agent.policies import ScriptedPolicy
+from textworld_env.env import TextWorldEnv
+from textworld_env.teacher import Teacher
+starts = [({"task": {"id": str(i), "game": g}}, 0) for i, g in enumerate(sys.argv[1:])]
+played = play(TextWorldEnv, ScriptedPolicy(lambda env, seed: Teacher(env), "teacher", as_text=True), starts)
+text = "".join(m["content"] for t in played.trajectories for turn in t.turns for m in turn.prompt)
+print(hashlib.sha256(text.encode()).hexdigest(), sum(len(t.turns) for t in played.trajectories))
+"""
+
+
+def test_the_same_games_give_the_same_prompts_whatever_the_hash_seed(games):
+    """Python hashes strings differently in every process (PYTHONHASHSEED), and TextWorld's facts and the sets read
+    from them came in that order: the prompts listed the things of a room in an order that changed from run to
+    run, and so did a dataset distilled from the same recipe and seed. Two processes, two hash seeds, the
+    teacher's episodes on every kind of game: the same prompts."""
+    import os
+    import subprocess
+    import sys
+    runs = {subprocess.run([sys.executable, "-c", _PROMPTS_OF_THE_TEACHER, *map(str, games.values())],
+                           check=True, capture_output=True, text=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2", "3")}
+    assert len(runs) == 1, runs
+
+
 def test_specs_name_what_is_wrong():
     with pytest.raises(ValidationError, match="needs level"):
         GameSpec(kind="coin_collector", seed=0)
@@ -209,6 +236,35 @@ def test_the_teacher_wins_from_what_the_agent_saw(games, name):
                   [({"task": {"id": name, "game": str(games[name])}}, 0)])
     traj = played.trajectories[0]
     assert traj.success and len(traj.turns) <= 2 * traj.optimal_steps and not env_calls
+
+
+def test_the_teacher_labelling_a_wandering_student_names_only_what_the_agent_knows(games):
+    """On-policy distillation asks the teacher for a label wherever the student stands. A detailed objective's
+    "go east" is east of where the route has reached, not of where a wandering student happens to be: the
+    teacher used to label `navigate backyard_east` at a backyard with no east exit (up to 4.4% of a round's labels).
+    A student that takes the teacher's call half the time and else walks anywhere it knows: every label names
+    only ids the agent's map holds, and a student that follows the labels from there still wins."""
+    import random
+
+    from agent.prompt import known_ids
+    from textworld_env.teacher import Teacher
+    game = make_game(GameSpec(kind="simple", seed=4, goal="detailed"), games["custom"].parent)
+    for run in range(3):
+        env = TextWorldEnv()
+        _, info = env.reset(options={"task": {"id": "wander", "game": str(game), "step_budget": 80}})
+        teacher, rng = Teacher(env), random.Random(run)
+        for step in range(80):
+            _, label = teacher.act(info)
+            ids, here = known_ids(render_known(info["known"]))
+            named = [v for k, v in label["arguments"].items() if k in ("target", "object", "device")]
+            assert all(n in ids for n in named), (run, step, label, sorted(ids))
+            wander = step < 12 and rng.random() < 0.5
+            call = {"name": "navigate", "arguments": {"target": rng.choice(sorted(ids - {here}))}} if wander else label
+            obs, _, terminated, truncated, info = env.step(call)
+            teacher.observe(call, info, obs)
+            if terminated or truncated:
+                break
+        assert env.won, run
 
 
 def test_a_cooking_game_is_won_by_its_walkthrough_in_skills(tmp_path):

@@ -315,7 +315,9 @@ class TextWorldEnv(gym.Env):
 
     def _update(self, state) -> None:
         b = self.belief
-        facts = [(p.name, [(a.name, a.type) for a in p.arguments]) for p in state.facts]
+        # sorted: TextWorld's facts, like the sets below, come in an order that changes with PYTHONHASHSEED, and the
+        # order things are read in is the order the prompt lists them (the same game must give the same prompts)
+        facts = sorted((p.name, [(a.name, a.type) for a in p.arguments]) for p in state.facts)
         here = next((a[1][0] for n, a in facts if n == "at" and a[0][1] == "P"), None)
         if here is None:
             return
@@ -331,7 +333,7 @@ class TextWorldEnv(gym.Env):
             if b.things[thing][1] == "held":
                 b.things.pop(thing)               # re-read from the inventory facts below
         b.landmarks[room] = sorted(slug(x) for x in visible if is_landmark(types[x]))
-        for x in visible:
+        for x in sorted(visible):
             b.things[slug(x)], b.kinds[slug(x)] = (x, room), types[x]
             if x in opened:                       # a container's state shows; its lock only once tried
                 b.doors[slug(x)] = "open"

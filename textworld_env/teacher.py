@@ -27,10 +27,19 @@ class Teacher:
         self.reading = False               # looking for a note that gives the steps
         self.tried: set[str] = set()       # what was tried to open (by it or, as it labels, the student)
         self.failed = 0                    # failures of the current step's own call
-        self.origin: tuple[int, str] | None = None   # (step, room): where the current `go` step starts from
+        # the room the objective's route has reached: where the game starts (the agent is made after the env's
+        # reset), then where each `go` step led. "go east" is east of it, wherever the agent stands: a student it
+        # labels may have wandered off, and the label walks back to the route
+        self.route: str | None = env.belief.place or None
 
     def observe(self, call, info, observation) -> None:
         """Told every call made, its own or (labelling a student, taking over from one) another's."""
+        b = self.env.belief
+        step = self.steps[self.done] if self.steps and self.done < len(self.steps) else None
+        if step is not None and step.verb == "go" and self.route is not None \
+                and b.place == b.leads.get((self.route, step.thing)):
+            self.route = b.place           # whoever walked, the exit the step names was taken
+            self.done, self.failed, self.closing = self.done + 1, 0, None
         if self.closing is not None and call == self.closing:
             self.failed = 0 if info.get("error") is None else self.failed + 1
             if info.get("error") is None or self.failed >= 2:   # done, or its own call failed twice: skip it
@@ -38,11 +47,6 @@ class Teacher:
         self.closing = None
         if isinstance(call, dict) and call.get("name") == "open":   # whoever tried it: explored, locked or not
             self.tried.add(str((call.get("arguments") or {}).get("target")))
-        b = self.env.belief
-        if self.steps and self.done < len(self.steps) and self.steps[self.done].verb == "go" \
-                and self.origin is not None and self.origin[0] == self.done \
-                and b.place == b.leads.get((self.origin[1], self.steps[self.done].thing)):
-            self.done += 1                 # whoever walked, the exit the step names was taken
         note = self._id("note")
         if self.reading and note is not None and isinstance(call, dict) and call.get("name") == "inspect" \
                 and (call.get("arguments") or {}).get("target") == note and info.get("error") is None:
@@ -58,9 +62,9 @@ class Teacher:
                 return self._explore("a note that says what to do")[:2]
             go = self._go_to(note)
             return go[:2] if go else ("A note: I read it.", {"name": "inspect", "arguments": {"target": note}})
+        if self.route is None:
+            self.route = self.env.belief.place
         while self.done < len(self.steps) and not self.env.won:
-            if self.steps[self.done].verb == "go" and (self.origin is None or self.origin[0] != self.done):
-                self.origin = (self.done, self.env.belief.place)   # "go east" is east of where the step began
             out = self._next(self.steps[self.done])
             if out is not None:
                 thought, call, closing = out
@@ -132,9 +136,10 @@ class Teacher:
         """(thought, call, whether the call completes the step), or None when the step holds already."""
         b = self.env.belief
         if step.verb == "go":
-            start = self.origin[1] if self.origin is not None else b.place
+            if step.thing not in b.exits.get(self.route, {}):   # off the route it knows (a step of its own that
+                return None                                     # failed twice was skipped): the next step
             return f"The task says go {step.thing}.", \
-                {"name": "navigate", "arguments": {"target": b.exit_id(start, step.thing)}}, True
+                {"name": "navigate", "arguments": {"target": b.exit_id(self.route, step.thing)}}, True
         thing = self._id(step.thing)
         if thing is None:
             source = self._id(step.other) if step.verb == "take" and step.other else None
