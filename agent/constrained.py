@@ -117,6 +117,9 @@ class CallConstraint:
         self._enums_of: dict[str, dict] = {}
         self.id_params = {(name, i) for name, sk in SKILLS.items() for i, p in enumerate(sk.params)
                           if not p.enum and p.description.startswith("id") and (name, p.name) not in _FREE_IDS}
+        # skills whose one argument is an id (navigate, inspect, pick_up, open, close): a failed call of one is
+        # not repeated (`ids_trie`)
+        self.one_id = {name for name, sk in SKILLS.items() if len(sk.params) == 1 and (name, 0) in self.id_params}
 
     # ------------------------------------------------------------------ the character machine
 
@@ -235,8 +238,7 @@ class CallConstraint:
             skill, args, result = call
             if result == "ok" or result in RETRYABLE:
                 break
-            if skill in self.skills and len(self.skills[skill].params) == 1 and (skill, 0) in self.id_params \
-                    and len(args) == 1:
+            if skill in self.one_id and len(args) == 1:
                 failed.setdefault(skill, set()).add(args[0])
             if skill == "navigate":        # a walk can fail on its way (a locked door) where it stood: older failed
                 break                      # calls may have failed only for where the agent was

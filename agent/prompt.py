@@ -152,10 +152,10 @@ KNOWN_LINES = ("At:", "Places:", "Doors:", "Unvisited:", "Objects:", "People:", 
 _LABEL_WORDS = frozenset({"At", "Holding", "nothing", "Places", "Doors", "Unvisited", "Objects", "People", "Facts",
                           "Task", "objects", "at", "held", "here", "open", "closed", "locked", "none", "seen"})
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_'\-]*")
-# a `Recent:` line of a call that worked ("- navigate(room_1_0) -> ok"): its arguments name known ids; and an id
-# an observation names in brackets ("You walk to the east room [room_1_2]"). A tiny student's template may leave
-# out the `Places:` line, which these then stand for.
-_RECENT_OK = re.compile(r"- \w+\((.*)\) -> ok\b")
+# a `Recent:` line ("- pick_up(bug) -> precondition_unmet: ..."): the skill, its arguments, "ok" or the error. The
+# arguments of a call that worked name known ids, and so does an id an observation names in brackets ("You walk to
+# the east room [room_1_2]"). A tiny student's template may leave out the `Places:` line, which these stand for.
+_RECENT = re.compile(r"- (\w+)\((.*?)\) -> (\w+)")
 _BRACKETED = re.compile(r"\[([A-Za-z0-9][A-Za-z0-9_'\-]*)\]")
 
 
@@ -171,9 +171,9 @@ def known_ids(prompt: str) -> tuple[set[str], str | None]:
     anywhere I have been.`) or `Places` out of a label cannot name it."""
     ids, here = set(), None
     for line in prompt.splitlines():
-        ok = _RECENT_OK.match(line)
-        if ok:
-            ids.update(_ID.findall(ok.group(1)))
+        call = _RECENT.match(line)
+        if call and call.group(3) == "ok":
+            ids.update(_ID.findall(call.group(2)))
         ids.update(_BRACKETED.findall(line))
         if not line.startswith(KNOWN_LINES):
             continue
@@ -183,9 +183,6 @@ def known_ids(prompt: str) -> tuple[set[str], str | None]:
             line = "; ".join(e for e in line.split("; ") if not e.endswith(NOT_SEEN))
         ids.update(w for w in _ID.findall(line) if w not in _LABEL_WORDS)
     return ids, here
-
-
-_RECENT = re.compile(r"- (\w+)\((.*?)\) -> (\w+)")
 
 
 def recent_calls(prompt: str) -> list[tuple[str, list[str], str] | None]:
