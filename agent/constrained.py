@@ -15,7 +15,10 @@ call. `CallConstraint` masks, at every generated token, the tokens that cannot c
   parameter (its description starts with "id") an id the row's prompt lists as known (`agent.prompt.known_ids`:
   the words of its `At:`, `Places:`, `Doors:`, `Unvisited:`, `Objects:`, `People:`, `Facts:` and `Task
   objects:` lines, the arguments of recent calls that worked and ids in brackets; not the prose of the task, the
-  observation, the recent results or the system message), and for `navigate` not the place the agent is at; any
+  observation, the recent results or the system message), for `navigate` not the place the agent is at, and for
+  an argument whose description names no place (`pick_up`'s object, `open`'s door or container, `inspect`'s
+  object or door, `operate`'s device) no place (`agent.prompt.place_ids`: a TextWorld student wrote `pick_up
+  recreation_zone_north`, an exit, 241 times in 200 validation games); any
   other parameter (and a `talk_to` topic, which may be a fact's id) free text without `|` or `<`;
 - not a one-id call that failed since the last call that worked (`pick_up bug` after `pick_up(bug) ->
   precondition_unmet`), unless a sandbox failure trigger fired (`RETRYABLE`): 57 of a TextWorld student's 69
@@ -34,14 +37,14 @@ import json
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from agent.prompt import known_ids, recent_calls
+from agent.prompt import known_ids, place_ids, recent_calls
 
 # states: (phase, skill, param index, trie node or text length)
 _PRE, _NAME, _AFTER_NAME, _ARG, _CLOSED = range(5)
 _END = "\0"   # marks a complete word in a trie
 # what a constrained call may name; a cached evaluation keyed by it is not read back under other rules (change it
 # when they change: "prompt-words" was any word of the prompt, before 2026-12-07)
-RULES = "known-ids+tool-enums+no-walk-to-here+no-repeat-of-failed-calls"
+RULES = "known-ids+tool-enums+no-walk-to-here+no-repeat-of-failed-calls+no-place-for-a-thing"
 # id parameters whose value need not be on the prompt: a talk_to topic may be a fact the teacher names by its id
 _FREE_IDS = {("talk_to", "topic")}
 # the one failure worth retrying as it was: a sandbox failure trigger that fired (a slip, a stuck door) may not fire
@@ -51,12 +54,14 @@ RETRYABLE = frozenset({"trigger_fired"})
 
 class _Ids(NamedTuple):
     """One row's tries: every known id, the ids `navigate` may name (not the place the agent is at: walking to
-    where it stands does nothing, and a student stuck in that loop never leaves), each enum parameter's values in
+    where it stands does nothing, and a student stuck in that loop never leaves), the ids that name no place,
+    each enum parameter's values in
     the tools the row was given (TextWorld's `operate` takes eat, cook, lock, ...), and for each skill of a call
     that failed since the last that worked, its ids without the ones those calls named (`retry`:
     {(skill, 0): trie}; see `ids_trie`)."""
     any: dict
     navigate: dict
+    things: dict   # known ids that name no place (`agent.prompt.place_ids`): for an argument that is no place
     enums: dict
     retry: dict
     names: dict   # the skills the row can call: not one whose first argument must be an id and none is left
@@ -117,6 +122,10 @@ class CallConstraint:
         self._enums_of: dict[str, dict] = {}
         self.id_params = {(name, i) for name, sk in SKILLS.items() for i, p in enumerate(sk.params)
                           if not p.enum and p.description.startswith("id") and (name, p.name) not in _FREE_IDS}
+        # id arguments that never name a place (their description does not say "place": pick_up's object,
+        # open's door or container, inspect's object or door, operate's device, a person)
+        self.thing_params = {(name, i) for name, i in self.id_params
+                             if "place" not in SKILLS[name].params[i].description}
         # skills whose one argument is an id (navigate, inspect, pick_up, open, close): a failed call of one is
         # not repeated (`ids_trie`)
         self.one_id = {name for name, sk in SKILLS.items() if len(sk.params) == 1 and (name, 0) in self.id_params}
@@ -129,7 +138,8 @@ class CallConstraint:
         if (skill, i) in ids.enums:
             return _State(_ARG, skill, i, ids.enums[(skill, i)])
         if (skill, i) in self.id_params:
-            return _State(_ARG, skill, i, ids.navigate if skill == "navigate" else ids.any)
+            trie = ids.navigate if skill == "navigate" else ids.things if (skill, i) in self.thing_params else ids.any
+            return _State(_ARG, skill, i, trie)
         return _State(_ARG, skill, i, None)
 
     def _char(self, st: _State, ch: str, ids: _Ids) -> _State | None:
@@ -230,7 +240,7 @@ class CallConstraint:
         that repeats it once repeats it to the end of its budget. Calls older than a failed walk are not held
         against it."""
         ids, here = known_ids(prompt_text)
-        walk = ids - {here}
+        walk, things = ids - {here}, ids - place_ids(prompt_text)
         failed: dict[str, set[str]] = {}
         for call in reversed(recent_calls(prompt_text)):
             if call is None:               # an unreadable output: the env saw nothing
@@ -242,8 +252,9 @@ class CallConstraint:
                 failed.setdefault(skill, set()).add(args[0])
             if skill == "navigate":        # a walk can fail on its way (a locked door) where it stood: older failed
                 break                      # calls may have failed only for where the agent was
-        retry = {(skill, 0): _trie((walk if skill == "navigate" else ids) - names) for skill, names in failed.items()}
-        row = _Ids(_trie(ids), _trie(walk), self.enums(tools), retry, {})
+        retry = {(skill, 0): _trie((walk if skill == "navigate" else things if (skill, 0) in self.thing_params
+                                    else ids) - names) for skill, names in failed.items()}
+        row = _Ids(_trie(ids), _trie(walk), _trie(things), self.enums(tools), retry, {})
         callable_ = [name for name, sk in self.skills.items()
                      if not (sk.params and sk.params[0].required and self._arg_start(name, 0, row).node == {})]
         return row._replace(names=_trie(callable_))

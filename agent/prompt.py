@@ -185,6 +185,31 @@ def known_ids(prompt: str) -> tuple[set[str], str | None]:
     return ids, here
 
 
+_BRACKETS = re.compile(r"\[[^\]]*\]")
+_JOINED = re.compile(r"\(([^()]*)\)")
+
+
+def place_ids(prompt: str) -> set[str]:
+    """The words of a step prompt's known-state lines that name places: the `At:` place, each `Places:` entry
+    outside its brackets (its id and its name; the brackets hold the place's landmarks), the `Unvisited:` exits and
+    the places a door joins (`passageway closed (studio-kitchen)`). An argument that names an object, a door, a
+    device or a person is none of them (`agent.constrained`: `pick_up recreation_zone_north` is no call).
+
+        place_ids("At: hall. Holding: nothing.\nPlaces: hall [desk], dish_pit dish pit\nUnvisited: hall_east")
+        # {"hall", "dish_pit", "dish", "pit", "hall_east"}"""
+    out: set[str] = set()
+    for line in prompt.splitlines():
+        if line.startswith("At: "):
+            out.update(_ID.findall(line[4:].split(".", 1)[0]))
+        elif line.startswith(("Places: ", "Unvisited: ")):
+            out.update(_ID.findall(_BRACKETS.sub(" ", line.split(":", 1)[1])))
+        elif line.startswith("Doors: "):
+            for joined in _JOINED.findall(line):
+                out.update(_ID.findall(joined))
+                out.update(_ID.findall(joined.replace("-", " ")))
+    return out - _LABEL_WORDS
+
+
 def recent_calls(prompt: str) -> list[tuple[str, list[str], str] | None]:
     """The calls of the prompt's `Recent:` block, oldest first, each as `(skill, arguments, result)` (`result`:
     "ok" or the error type, e.g. `precondition_unmet`), or None for a step whose output was unreadable; [] when

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agent.progress import StageBar
 from agent.trajectory import write_json
+from sft.rename import with_renamed_copies
 from sft.student import (StudentConfig, build_tiny_student, corpus_texts, load_pretrained_student, lora_config,
                          n_params, train_tokenizer)
 
@@ -62,6 +63,9 @@ class SFTSection(BaseModel):
     # assistant-only loss starts far lower (measured: 0.84 instead of 6.0 after 25 steps).
     lm_epochs: float = Field(default=0.0, ge=0)
     lm_lr: float | None = Field(default=None, gt=0, le=1.0)   # default: lr
+    # a renamed copy of this fraction of the training rows (`sft.rename`): the same decision with the things it is
+    # about under made-up names, so that a name is copied from the prompt rather than learnt by heart (0 = off)
+    renamed_copies: float = Field(default=0.0, ge=0, le=1.0)
 
     @model_validator(mode="after")
     def _lm_phase_for_tiny_only(self):
@@ -330,6 +334,8 @@ def run_sft(cfg: SFTSection, dataset_dir: str | Path, out: str | Path, seed: int
         if cfg.student.kind == "tiny":
             model.save_pretrained(student_dir)
             tok.save_pretrained(student_dir)
+    if cfg.renamed_copies:   # after the tokenizer: made-up names are split into pieces, as a new game's names are
+        train = with_renamed_copies(train, cfg.renamed_copies, seed)
     report = []
     wandb_env = {}
     if cfg.wandb:  # offline unless the environment configures wandb; the run lives under OUT/wandb
