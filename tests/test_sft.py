@@ -4,6 +4,7 @@ steps, resume, and the checkpoint running in the sandbox through batched generat
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -536,3 +537,51 @@ def test_loading_an_artifact_leaves_no_copy_in_the_datasets_cache(sft_dataset, t
                          processing_class=tok)
     assert len(trainer.train_dataset) == 8 and "input_ids" in trainer.train_dataset.column_names
 
+
+def test_renamed_copies_keep_each_decision_under_made_up_names(step_rows):
+    """A renamed copy of a row: the same skill, its id arguments renamed as the prompt's known ids are (so still
+    ids the prompt shows), every name word gone from the prompt, directions, skills and the system message kept."""
+    import random
+
+    from agent.prompt import known_ids
+    from sft.rename import _keep_words, name_words, renamed_row
+    keep = _keep_words()
+    renamed = 0
+    for i, row in enumerate(step_rows[:120]):
+        copy = renamed_row(row, random.Random(i), keep)
+        (s0, u0, a0), (s1, u1, a1) = row["messages"], copy["messages"]
+        assert s1 == s0 and copy["messages"] is not row["messages"]
+        f0, f1 = a0["tool_calls"][0]["function"], a1["tool_calls"][0]["function"]
+        assert f1["name"] == f0["name"] and f1["arguments"].keys() == f0["arguments"].keys()
+        ids0, ids1 = known_ids(u0["content"])[0], known_ids(u1["content"])[0]
+        assert len(ids1) == len(ids0)
+        for k, v in f0["arguments"].items():
+            if v in ids0:
+                assert f1["arguments"][k] in ids1
+        words = name_words(u0["content"], [str(v) for v in f0["arguments"].values()], keep)
+        text1 = " " + " ".join(re.split(r"[^a-z0-9]+", u1["content"].lower())) + " "
+        assert not [w for w in words if f" {w} " in text1]
+        for d in ("north", "south", "east", "west", "Task:", "Next skill call?"):
+            assert u1["content"].count(d) == u0["content"].count(d)
+        renamed += bool(words) and u1 != u0
+    assert renamed >= 100
+
+
+def test_renamed_copies_are_added_after_the_tokenizer_and_drawn_by_seed(sft_dataset, tmp_path):
+    from sft.rename import with_renamed_copies
+    train = load_sft_dataset(sft_dataset, "step")["train"]
+    a, b, c = (with_renamed_copies(train, 0.5, s) for s in (3, 3, 4))
+    assert len(a) == len(train) + round(0.5 * len(train)) and a.features == train.features
+    assert a[len(train):]["messages"] == b[len(train):]["messages"] != c[len(train):]["messages"]
+    assert a[:len(train)]["messages"] == train["messages"]
+    cfg = SFTSection(student=SMALL, max_steps=2, batch_size=8, eval_steps=2, save_steps=2, logging_steps=1,
+                     max_eval_samples=8, renamed_copies=0.5)
+    m = run_sft(cfg, sft_dataset, tmp_path / "sft", seed=3, show_progress=False)
+    assert m["train_samples"] == len(a)
+    # the made-up names are no tokens of the student's vocabulary: they are split into pieces, as new names are
+    from transformers import AutoTokenizer
+    vocab = AutoTokenizer.from_pretrained(tmp_path / "sft" / "final").get_vocab()
+    made_up = {w for r in a[len(train):]["messages"] for w in re.findall(r"\b[a-z]{4,}\b", r[1]["content"])} \
+        - {w for r in train["messages"] for w in re.findall(r"\b[a-z]{4,}\b", r[1]["content"])}
+    assert len(made_up) > 50
+    assert not [w for w in made_up if "Ġ" + w in vocab or w in vocab]
