@@ -55,10 +55,9 @@ RETRYABLE = frozenset({"trigger_fired"})
 class _Ids(NamedTuple):
     """One row's tries: every known id, the ids `navigate` may name (not the place the agent is at: walking to
     where it stands does nothing, and a student stuck in that loop never leaves), the ids that name no place,
-    each enum parameter's values in
-    the tools the row was given (TextWorld's `operate` takes eat, cook, lock, ...), and for each skill of a call
-    that failed since the last that worked, its ids without the ones those calls named (`retry`:
-    {(skill, 0): trie}; see `ids_trie`)."""
+    each enum parameter's values in the tools the row was given (TextWorld's `operate` takes eat, cook, lock,
+    ...), and for each skill of a call that failed since the last that worked, its ids without the ones those
+    calls named (`retry`: {(skill, 0): trie}; see `ids_trie`)."""
     any: dict
     navigate: dict
     things: dict   # known ids that name no place (`agent.prompt.place_ids`): for an argument that is no place

@@ -63,7 +63,7 @@ class SFTSection(BaseModel):
     # assistant-only loss starts far lower (measured: 0.84 instead of 6.0 after 25 steps).
     lm_epochs: float = Field(default=0.0, ge=0)
     lm_lr: float | None = Field(default=None, gt=0, le=1.0)   # default: lr
-    # a renamed copy of this fraction of the training rows (`sft.rename`): the same decision with the things it is
+    # a renamed copy of this fraction of the training rows (`sft/rename.py`): the same decision with the things it is
     # about under made-up names, so that a name is copied from the prompt rather than learnt by heart (0 = off)
     renamed_copies: float = Field(default=0.0, ge=0, le=1.0)
 
