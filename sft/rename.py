@@ -26,16 +26,15 @@ import json
 import random
 import re
 
-from agent.prompt import NOT_SEEN, known_ids
+from agent.prompt import _LABEL_WORDS, NOT_SEEN, known_ids
 
 # words never renamed: directions, the words a prompt and a call are built from, and the glue of names
 # ("pair of headphones")
 _KEEP = frozenset("""
 north south east west up down northeast northwest southeast southwest
-at held here open closed locked none seen not nothing holding places doors unvisited objects people facts task
-step recent observation next skill call
+not step recent observation next skill call
 the a an of to in into on onto and or for from with by at some
-""".split())
+""".split()) | {w.lower() for w in _LABEL_WORDS}   # the known-state lines' own words (`agent.prompt`)
 _CONSONANTS, _VOWELS = "bdfgklmnprstvz", "aeiou"
 _TASK_OBJECTS = re.compile(r"^Task objects: (.*)$", re.M)
 
